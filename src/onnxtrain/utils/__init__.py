@@ -1,0 +1,1 @@
+"""Small helpers shared by every front end (no torch here)."""

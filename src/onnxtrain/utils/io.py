@@ -1,0 +1,76 @@
+"""Atomic file writes and model loading shared by the artifacts, checkpoints and the CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+import onnx
+
+# Protobuf cannot serialize a message of 2 GiB or more; larger models go to external data.
+_PROTO_LIMIT = 2**31 - 1
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike):
+    """Yield a temporary path beside ``path``; on success rename it over ``path``.
+
+    A crash or an exception leaves ``path`` as it was: readers never see a half-written file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> None:
+    with atomic_path(path) as tmp:
+        Path(tmp).write_bytes(data)
+
+
+def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+    """Save ``model`` to ``path`` atomically; models over 2 GB keep their weights in ``<name>.data``.
+
+    For external data both files are written into a staging folder beside ``path`` and renamed into
+    place, data first, so that the model file never points at a missing or partial data file.
+    """
+    path = Path(path)
+    if model.ByteSize() < _PROTO_LIMIT:
+        write_bytes_atomic(model.SerializeToString(), path)
+        return
+    data_name = path.name + ".data"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        onnx.save_model(model, str(staging / path.name), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
+        os.replace(staging / data_name, path.with_name(data_name))
+        os.replace(staging / path.name, path)
+    finally:
+        for p in staging.iterdir():
+            p.unlink()
+        staging.rmdir()
+
+
+def load_model(model: onnx.ModelProto | str | os.PathLike, load_external_data: bool = True) -> onnx.ModelProto:
+    """Return a ModelProto for a proto or a path, with a clear error for a missing or unreadable file."""
+    if isinstance(model, onnx.ModelProto):
+        return model
+    path = Path(model)
+    if not path.is_file():
+        raise FileNotFoundError(f"ONNX model not found: {path}")
+    try:
+        return onnx.load(str(path), load_external_data=load_external_data)
+    except Exception as exc:  # protobuf DecodeError and friends
+        raise ValueError(f"{path} is not a readable ONNX model: {exc}") from exc

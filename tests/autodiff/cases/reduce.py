@@ -1,0 +1,5 @@
+"""Finite-difference cases for rules/reduce.py."""
+
+from tests.autodiff.gradcheck import Case, F, I  # noqa: F401
+
+CASES: list[Case] = []
