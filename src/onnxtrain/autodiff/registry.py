@@ -64,6 +64,17 @@ class GradContext:
             return producer.attributes["value"].value.numpy()
         return None
 
+    def output(self, i: int) -> ir.Value:
+        """Forward output ``i``, added to the node if it omitted it (Dropout's mask, LayerNorm's
+        saved statistics, MaxPool's indices): backward then reuses it instead of recomputing."""
+        if i >= len(self.node.outputs):
+            self.node.resize_outputs(i + 1)
+        out = self.node.outputs[i]
+        if not out.name:
+            out.name = self.b.fresh_name(f"{self.node.name or self.node.op_type}_output_{i}")
+        self.outputs = list(self.node.outputs)
+        return out
+
     def has_input(self, i: int) -> bool:
         return i < len(self.inputs) and self.inputs[i] is not None
 
