@@ -51,6 +51,11 @@ class _Plan:
     needed: set[ir.Value]
 
 
+def _maybe_float(value: ir.Value | None) -> bool:
+    """Float, or of unknown type (an op shape inference does not know): never cut a path silently."""
+    return value is not None and (value.dtype is None or is_float(value))
+
+
 def _opset_of(node: ir.Node, opsets: dict[str, int]) -> int:
     if node.version is not None:
         return node.version
@@ -79,7 +84,7 @@ def _plan(graph: ir.Graph, wrt: Sequence[ir.Value], outputs: Sequence[ir.Value],
         if rule is not None and not rule.differentiable:
             continue
         for out in node.outputs:
-            if is_float(out) or (rule is None and out.dtype is None):
+            if _maybe_float(out):
                 active.add(out)
                 origin[out] = origin[hits[0]]
 
@@ -92,7 +97,7 @@ def _plan(graph: ir.Graph, wrt: Sequence[ir.Value], outputs: Sequence[ir.Value],
         rule = rules[node]
         if rule is not None and not rule.differentiable:
             continue
-        ins = [v for v in node.inputs if v is not None and v in active and is_float(v)]
+        ins = [v for v in node.inputs if v is not None and v in active and _maybe_float(v)]
         if not ins:
             continue
         on_path.append(node)
@@ -136,7 +141,7 @@ def build_gradients(graph: ir.Graph, wrt: Sequence[ir.Value], outputs: Sequence[
         if all(d is None for d in dy):
             continue
         rule = plan.rules[node]
-        needs = [v is not None and v in plan.needed and is_float(v) for v in node.inputs]
+        needs = [v is not None and v in plan.needed for v in node.inputs]
         builder.scope = f"{node.name or node.op_type}_Grad"
         ctx = GradContext(node, dy, needs, builder, _opset_of(node, opsets))
         result = tuple(rule.fn(ctx))
@@ -255,6 +260,12 @@ def gradient_model(model: onnx.ModelProto | str | os.PathLike, wrt: Sequence[str
 
     io_names = {v.name for v in graph.inputs} | set(graph_outputs)
     new_names = [grad_name(v.name) for v in out_values] + [grad_name(n) for n in wrt]
+    clash = sorted({n for n in new_names if new_names.count(n) > 1})
+    if clash:
+        raise ValueError(
+            f"{clash[0]!r} would name both an output-gradient input and a gradient output (a value is "
+            "both differentiated and differentiated against); drop it from `outputs` or from `wrt`"
+        )
     for name in new_names:
         if name in io_names:
             raise ValueError(f"the model already has an input or output named {name!r}; rename it first")

@@ -1,0 +1,130 @@
+"""Whole-model parity: gradients built by the engine, run by onnxruntime, against PyTorch autograd.
+
+Each model is exported in train mode with torch.onnx.export(dynamo=True), returning its scalar loss
+(dropout probabilities set to 0 so both sides compute the same function). ``gradient_model`` then
+differentiates the loss with respect to every parameter, onnxruntime runs it, and every parameter
+gradient must match ``loss.backward()`` to a relative error (L2 norm) below 1e-4.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from onnxtrain.autodiff import gradient_model  # noqa: E402
+
+REL_TOL = 1e-4
+
+
+class LossOf(torch.nn.Module):
+    """Return ``model(**kwargs).loss`` (or a cross-entropy on the logits for plain torch models)."""
+
+    def __init__(self, model, hf: bool):
+        super().__init__()
+        self.model, self.hf = model, hf
+
+    def forward(self, x, labels):
+        if self.hf:
+            return self.model(input_ids=x, labels=labels).loss
+        return torch.nn.functional.cross_entropy(self.model(x), labels)
+
+
+def _export(module, args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, args, dynamo=True, verbose=False)
+    return program.model_proto
+
+
+def check_parity(model, hf: bool, x, labels):
+    torch.manual_seed(0)
+    module = LossOf(model, hf).train()
+    reference = copy.deepcopy(module)
+    loss = reference(x, labels)
+    loss.backward()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+
+    onnx_model = _export(module, (x, labels))
+    inits = {i.name for i in onnx_model.graph.initializer}
+    params = [n for n, _ in module.named_parameters() if n in inits]
+    assert len(params) >= len(expected) * 0.5, f"parameters were not exported as initializers: {sorted(inits)[:10]}"
+    loss_name = onnx_model.graph.output[0].name
+    grad = gradient_model(onnx_model, wrt=params, outputs=[loss_name])
+
+    sess = ort.InferenceSession(grad.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {sess.get_inputs()[0].name: x.numpy(), sess.get_inputs()[1].name: labels.numpy(),
+             f"{loss_name}_grad": np.ones((), np.float32)}
+    outputs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    np.testing.assert_allclose(outputs[loss_name], loss.item(), rtol=1e-5)
+    for name in params:
+        got = outputs[f"{name}_grad"]
+        want = expected[name]
+        want = np.zeros_like(got) if want is None else want.numpy()
+        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12)
+        if np.linalg.norm(want) < 1e-9:
+            assert np.linalg.norm(got) < 1e-6, f"{name}: expected zero gradient"
+        else:
+            assert err < REL_TOL, f"{name}: relative gradient error {err:.2e}"
+    return len(params)
+
+
+def test_mlp():
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16),
+                              torch.nn.Tanh(), torch.nn.Linear(16, 5))
+    x = torch.randn(8, 12)
+    labels = torch.randint(0, 5, (8,))
+    assert check_parity(mlp, False, x, labels) == 6
+
+
+def test_cnn_with_batchnorm_maxpool_gap():
+    torch.manual_seed(0)
+    nn = torch.nn
+    cnn = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, stride=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4),
+    )
+    x = torch.randn(4, 3, 12, 12)
+    labels = torch.randint(0, 4, (4,))
+    check_parity(cnn, False, x, labels)
+
+
+def _ids(vocab=100, batch=2, seq=16):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def test_bert_sequence_classification():
+    config = transformers.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=64, num_labels=3,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config)
+    check_parity(model, True, _ids(), torch.tensor([0, 2]))
+
+
+def test_gpt2_lm_head():
+    config = transformers.GPT2Config(vocab_size=100, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = _ids()
+    check_parity(model, True, ids, ids)
+
+
+def test_llama_causal_lm_with_grouped_query_attention():
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
+                                      use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = _ids()
+    check_parity(model, True, ids, ids)
