@@ -99,3 +99,95 @@ def grad_gemm(g: GradContext):
         scaled = dy if beta == 1.0 else g.b.Mul(dy, g.b.scalar(beta, dy))
         dc = g.sum_to(scaled, c)
     return da, db, dc
+
+
+# -- Einsum ---------------------------------------------------------------------------------------
+ELLIPSIS = "..."
+
+
+def _einsum_terms(g: GradContext) -> tuple[list[list[str]], list[str]]:
+    """The operand terms and the output term of the node's equation, as lists of labels ("..." one)."""
+    equation = g.attr("equation").replace(" ", "")
+    lhs, arrow, rhs = equation.partition("->")
+
+    def tokens(term: str) -> list[str]:
+        out = []
+        rest = term
+        while rest:
+            if rest.startswith(ELLIPSIS):
+                out.append(ELLIPSIS)
+                rest = rest[3:]
+            else:
+                out.append(rest[0])
+                rest = rest[1:]
+        return out
+
+    terms = [tokens(t) for t in lhs.split(",")]
+    for i, term in enumerate(terms):
+        repeated = sorted({label for label in term if term.count(label) > 1})
+        if repeated:
+            raise NotImplementedError(
+                f"Einsum node {g.node.name!r} ({equation!r}): operand {i} repeats label(s) {repeated} "
+                "(a diagonal); its gradient is not supported. Take the diagonal explicitly before Einsum."
+            )
+    if arrow:
+        return terms, tokens(rhs)
+    labels = [label for term in terms for label in term if label != ELLIPSIS]
+    once = sorted(label for label in set(labels) if labels.count(label) == 1)
+    return terms, ([ELLIPSIS] if any(ELLIPSIS in t for t in terms) else []) + once
+
+
+def _ellipsis_rank(g: GradContext, term: list[str], value) -> int:
+    rank = g.rank(value)
+    if rank is None:
+        raise ValueError(f"Einsum node {g.node.name!r}: the gradient needs the rank of {value.name!r}")
+    return rank - (len(term) - 1) if ELLIPSIS in term else 0
+
+
+@r("Einsum")
+def grad_einsum(g: GradContext):
+    """d operand_k = einsum(other operands, dy -> term_k); labels (or "...") only operand k has are
+    broadcast back with Unsqueeze + Expand, and broadcast "..." dims are summed back."""
+    terms, out = _einsum_terms(g)
+    return tuple(_grad_einsum_operand(g, terms, out, k) if g.needs[k] else None for k in range(len(terms)))
+
+
+def _grad_einsum_operand(g: GradContext, terms, out, k: int):
+    bld, x, dy = g.b, g.inputs[k], g.dy[0]
+    operands = [(t, v) for i, (t, v) in enumerate(zip(terms, g.inputs)) if i != k]
+    if out:
+        operands.append((out, dy))
+    seen = {label for t, _ in operands for label in t} | set(out)
+    kept = [label for label in terms[k] if label in seen]
+    # "..." spans the same number of dims in every operand (ONNX requires it); its size-1 dims
+    # broadcast, so an operand's own "..." gradient may need summing (size 1 here) or expanding.
+    width = _ellipsis_rank(g, terms[k], x) if ELLIPSIS in terms[k] else max(
+        [_ellipsis_rank(g, t, v) for t, v in operands if ELLIPSIS in t], default=0)
+    summed = ELLIPSIS in seen and ELLIPSIS not in kept  # only the others have it
+    result = ([ELLIPSIS] if summed else []) + kept  # onnxruntime wants "..." in the output then
+    if not operands:
+        grad = dy
+    elif len(operands) == 1 and operands[0][0] == result:
+        grad = operands[0][1]
+    else:
+        equation = ",".join("".join(t) for t, _ in operands) + "->" + "".join(result)
+        grad = bld.Einsum(*(v for _, v in operands), equation=equation)
+    if summed and width:
+        grad = bld.ReduceSum(grad, bld.ints(list(range(width))), keepdims=0)
+    if not out:
+        grad = bld.Mul(grad, dy) if operands else grad
+
+    layout, dropped = [], []  # operand k's axes by label; the axes of labels only it has
+    for label in terms[k]:
+        span = width if label == ELLIPSIS else 1
+        if label not in kept:
+            dropped += range(len(layout), len(layout) + span)
+        layout += [label] * span
+    if dropped:
+        grad = bld.Unsqueeze(grad, bld.ints(dropped))
+    if ELLIPSIS in kept:
+        dims = list(x.shape)
+        grad = g.sum_to(grad, x, grad_shape=[None if lb == ELLIPSIS else d for lb, d in zip(layout, dims)])
+    if dropped or ELLIPSIS in kept:
+        grad = bld.Expand(grad, bld.Shape(x))
+    return grad
