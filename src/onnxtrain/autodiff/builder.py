@@ -22,6 +22,43 @@ def is_float(value: ir.Value | None) -> bool:
     return value is not None and value.dtype in FLOAT_TYPES
 
 
+_BOOL_OPS = frozenset({"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or",
+                       "Xor", "IsNaN", "IsInf"})
+_INT64_OPS = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
+# Ops whose output type is neither the first input's nor fixed: left unknown rather than guessed.
+_UNTYPED_OPS = frozenset({"Scan", "Loop", "If", "EyeLike", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+                          "Bernoulli", "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
+# Multi-output ops whose outputs do not all share the first input's type.
+_OUTPUT_TYPES = {"TopK": (None, ir.DataType.INT64), "MaxPool": (None, ir.DataType.INT64),
+                 "Dropout": (None, ir.DataType.BOOL), "Unique": (None, ir.DataType.INT64,
+                                                                  ir.DataType.INT64, ir.DataType.INT64)}
+
+
+def _output_dtypes(op_type: str, inputs, attrs, num_outputs: int) -> list[ir.DataType | None]:
+    """Element types of a new node's outputs, so rules can make constants ``like`` any value."""
+    first = inputs[0].dtype if inputs and inputs[0] is not None else None
+    if op_type in _BOOL_OPS:
+        return [ir.DataType.BOOL]
+    if op_type in _INT64_OPS:
+        return [ir.DataType.INT64]
+    if op_type == "Cast":
+        return [ir.DataType(attrs["to"])]
+    if op_type == "CastLike":
+        return [inputs[1].dtype]
+    if op_type in ("Constant", "ConstantOfShape"):
+        value = attrs.get("value")
+        return [value.dtype if value is not None else ir.DataType.FLOAT]
+    if op_type == "Where":
+        return [inputs[1].dtype]
+    if op_type == "OneHot":
+        return [inputs[2].dtype]
+    if op_type in _UNTYPED_OPS:
+        return [None] * num_outputs
+    if op_type in _OUTPUT_TYPES:
+        return [t if t is not None else first for t in _OUTPUT_TYPES[op_type]][:num_outputs]
+    return [first] * num_outputs
+
+
 class GraphBuilder:
     def __init__(self, taken_names: Iterable[str] = (), prefix: str = "grad", opset: int = 17):
         self.nodes: list[ir.Node] = []
@@ -65,6 +102,8 @@ class GraphBuilder:
 
     def scalar(self, value: float, like: ir.Value) -> ir.Value:
         """A rank-0 constant of ``like``'s element type."""
+        if like.dtype is None:
+            raise TypeError(f"the element type of {like.name!r} is unknown; make the constant like a typed value")
         return self.const(value, dtype=like.dtype)
 
     def ints(self, values: Sequence[int] | int) -> ir.Value:
@@ -106,7 +145,10 @@ class GraphBuilder:
             num_outputs=num_outputs,
             name=self.fresh_name(f"{self.scope or self._prefix}/{op_type}"),
         )
+        dtypes = _output_dtypes(op_type, inputs, attrs, num_outputs) if not domain else [None] * num_outputs
         for i, out in enumerate(node.outputs):
             out.name = self.fresh_name(f"{node.name}:{i}" if num_outputs > 1 else node.name)
+            if i < len(dtypes) and dtypes[i] is not None:
+                out.dtype = dtypes[i]
         self.nodes.append(node)
         return list(node.outputs)
