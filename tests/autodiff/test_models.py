@@ -37,10 +37,21 @@ class LossOf(torch.nn.Module):
 
 
 def _export(module, args):
+    """Export in train mode.
+
+    - BatchNorm is decomposed into primitive ops first: the ONNX exporter's batch-norm translation
+      always emits inference-mode BatchNormalization, which normalizes with the running statistics.
+    - optimize=False: the exporter's optimizer folds weights (e.g. pre-transposed) into anonymous
+      constants, and parameters must stay initializers named like the torch parameters.
+    """
+    from torch._decomp import get_decompositions
+
+    batch_norms = get_decompositions([torch.ops.aten._native_batch_norm_legit_functional])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(module, args, dynamo=True, verbose=False)
-    return program.model_proto
+        program = torch.export.export(module, args).run_decompositions(batch_norms)
+        onnx_program = torch.onnx.export(program, args, dynamo=True, optimize=False, verbose=False)
+    return onnx_program.model_proto
 
 
 def check_parity(model, hf: bool, x, labels):
@@ -49,12 +60,17 @@ def check_parity(model, hf: bool, x, labels):
     reference = copy.deepcopy(module)
     loss = reference(x, labels)
     loss.backward()
-    expected = {n: p.grad for n, p in reference.named_parameters()}
+    # Tied weights (GPT-2's wte and lm_head) have several names; the exporter keeps one of them.
+    expected = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
+    aliases = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
 
     onnx_model = _export(module, (x, labels))
     inits = {i.name for i in onnx_model.graph.initializer}
-    params = [n for n, _ in module.named_parameters() if n in inits]
-    assert len(params) >= len(expected) * 0.5, f"parameters were not exported as initializers: {sorted(inits)[:10]}"
+    params = [n for n in expected if n in inits]
+    unexported = [names for names in aliases.values() if not any(n in inits for n in names)]
+    assert not unexported, f"parameters not exported as initializers: {unexported}"
     loss_name = onnx_model.graph.output[0].name
     grad = gradient_model(onnx_model, wrt=params, outputs=[loss_name])
 
@@ -63,15 +79,14 @@ def check_parity(model, hf: bool, x, labels):
              f"{loss_name}_grad": np.ones((), np.float32)}
     outputs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
     np.testing.assert_allclose(outputs[loss_name], loss.item(), rtol=1e-5)
-    for name in params:
+    wants = {n: (np.zeros_like(outputs[f"{n}_grad"]) if expected[n] is None else expected[n].numpy()) for n in params}
+    # Relative error per tensor, with a floor at 1e-4 of the largest gradient norm: a gradient that is
+    # zero in exact arithmetic (a conv bias followed by BatchNorm) is float noise on both sides.
+    floor = 1e-4 * max(np.linalg.norm(w) for w in wants.values())
+    for name, want in wants.items():
         got = outputs[f"{name}_grad"]
-        want = expected[name]
-        want = np.zeros_like(got) if want is None else want.numpy()
-        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12)
-        if np.linalg.norm(want) < 1e-9:
-            assert np.linalg.norm(got) < 1e-6, f"{name}: expected zero gradient"
-        else:
-            assert err < REL_TOL, f"{name}: relative gradient error {err:.2e}"
+        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), floor)
+        assert err < REL_TOL, f"{name}: relative gradient error {err:.2e}"
     return len(params)
 
 
@@ -87,9 +102,11 @@ def test_mlp():
 def test_cnn_with_batchnorm_maxpool_gap():
     torch.manual_seed(0)
     nn = torch.nn
+    # Convs followed by BatchNorm have no bias (as in ResNet): its exact gradient is zero, and comparing
+    # float noise with float noise says nothing. Conv biases are covered by the finite-difference cases.
     cnn = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(8, 16, 3, stride=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, stride=2, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4),
     )
     x = torch.randn(4, 3, 12, 12)

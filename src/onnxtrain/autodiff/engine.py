@@ -191,6 +191,28 @@ def prepare_model(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def fold_constants(model: ir.Model, protected: set[ir.Value]) -> None:
+    """Fold constant subgraphs (shape arithmetic, Slice axes, masks) so rules see constants.
+
+    Nodes reading a ``protected`` value (the parameters being differentiated) are never folded, so a
+    ``Transpose(weight)`` stays a node and the weight stays a parameter: protected initializers are
+    graph inputs while folding (the folder never folds a node that reads a graph input).
+    """
+    try:
+        from onnxscript.optimizer import fold_constants as fold
+    except ImportError:  # onnxscript is a dependency; without it models keep their constant subgraphs
+        return
+    graph = model.graph
+    lifted = [v for v in protected if v.is_initializer() and not v.is_graph_input()]
+    graph.inputs.extend(lifted)
+    try:
+        fold(model, onnx_shape_inference=False)
+    finally:
+        for v in lifted:
+            graph.inputs.remove(v)
+    ir.passes.common.RemoveUnusedNodesPass()(model)
+
+
 def _all_values(graph: ir.Graph) -> dict[str, ir.Value]:
     values: dict[str, ir.Value] = {}
     for v in graph.inputs:
@@ -243,6 +265,7 @@ def gradient_model(model: onnx.ModelProto | str | os.PathLike, wrt: Sequence[str
         wrt_values.append(v)
     if len(set(wrt)) != len(wrt):
         raise ValueError(f"wrt names repeat: {list(wrt)}")
+    fold_constants(ir_model, protected=set(wrt_values))
 
     graph_outputs = {v.name: v for v in graph.outputs}
     if outputs is None:
