@@ -143,7 +143,7 @@ def build_gradients(graph: ir.Graph, wrt: Sequence[ir.Value], outputs: Sequence[
         rule = plan.rules[node]
         needs = [v is not None and v in plan.needed for v in node.inputs]
         builder.scope = f"{node.name or node.op_type}_Grad"
-        ctx = GradContext(node, dy, needs, builder, _opset_of(node, opsets))
+        ctx = GradContext(node, dy, needs, builder, _opset_of(node, opsets), opsets.get("", MIN_OPSET))
         result = tuple(rule.fn(ctx))
         while len(result) > len(node.inputs) and result[-1] is None:
             result = result[:-1]  # rules may name optional inputs the node omits

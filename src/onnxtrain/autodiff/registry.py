@@ -33,14 +33,15 @@ class GradContext:
     """What a rule sees: the forward node, its values, the output gradients and a builder."""
 
     def __init__(self, node: ir.Node, dy: Sequence[ir.Value | None], needs: Sequence[bool],
-                 builder: GraphBuilder, opset: int):
+                 builder: GraphBuilder, opset: int, onnx_opset: int | None = None):
         self.node = node
         self.inputs: list[ir.Value | None] = list(node.inputs)
         self.outputs: list[ir.Value] = list(node.outputs)
         self.dy = list(dy)
         self.needs = list(needs)  # needs[i]: is the gradient of input i wanted (grad_input_mask)
         self.b = builder
-        self.opset = opset
+        self.opset = opset  # of the node's own domain
+        self.onnx_opset = opset if onnx_opset is None else onnx_opset  # of ai.onnx: for the ops rules emit
 
     # -- attributes and constant inputs ---------------------------------------------------
     def attr(self, name: str, default=None):
@@ -69,6 +70,9 @@ class GradContext:
         saved statistics, MaxPool's indices): backward then reuses it instead of recomputing."""
         if i >= len(self.node.outputs):
             self.node.resize_outputs(i + 1)
+        for skipped in self.node.outputs[:i]:
+            if skipped.name is None:  # outputs added below i stay omitted
+                skipped.name = ""
         out = self.node.outputs[i]
         if not out.name:
             out.name = self.b.fresh_name(f"{self.node.name or self.node.op_type}_output_{i}")
@@ -98,12 +102,12 @@ class GradContext:
 
     def reduce(self, op_type: str, x: ir.Value, axes, keepdims: int = 1) -> ir.Value:
         """``Reduce*`` over ``axes`` (a list of ints, or an int64 value) in the form this opset takes."""
-        axes_as_input = self.opset >= (13 if op_type == "ReduceSum" else 18)
+        axes_as_input = self.onnx_opset >= (13 if op_type == "ReduceSum" else 18)
         if axes_as_input:
             return self.b.op(op_type, x, axes if isinstance(axes, ir.Value) else self.b.ints(list(axes)),
                              keepdims=keepdims)
         if isinstance(axes, ir.Value):
-            raise ValueError(f"{op_type} of opset {self.opset} needs constant axes")
+            raise ValueError(f"{op_type} of opset {self.onnx_opset} needs constant axes")
         return self.b.op(op_type, x, axes=list(axes), keepdims=keepdims)
 
     def dy_or_zeros(self, i: int) -> ir.Value:

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from tests.autodiff.gradcheck import Case, F, I
+from tests.autodiff.gradcheck import Case, F
 
 MS = "com.microsoft"
 

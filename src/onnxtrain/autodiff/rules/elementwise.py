@@ -172,7 +172,7 @@ def grad_mul(g: GradContext):
 
 @r("Div", broadcast=True)
 def grad_div(g: GradContext):
-    (a, b), y, dy = g.inputs, g.outputs[0], g.dy[0]
+    b, y, dy = g.inputs[1], g.outputs[0], g.dy[0]
     da = g.b.Div(dy, b) if g.needs[0] else None
     db = g.b.Neg(g.b.Div(g.b.Mul(dy, y), b)) if g.needs[1] else None
     return da, db
@@ -232,7 +232,7 @@ def grad_mod(g: GradContext):  # float Mod (fmod=1): a - b * trunc(a / b)
 
 @r("Where", broadcast=True)
 def grad_where(g: GradContext):
-    (cond, a, b), dy = g.inputs, g.dy[0]
+    cond, dy = g.inputs[0], g.dy[0]
     zero = g.b.scalar(0.0, dy)
     return (
         None,
