@@ -17,7 +17,42 @@ def build_parser() -> argparse.ArgumentParser:
     grad.add_argument("--wrt", nargs="+", required=True, help="initializer or input names to differentiate")
     grad.add_argument("--outputs", nargs="*", default=None, help="outputs to differentiate (default: all float)")
     grad.add_argument("-o", "--output", required=True, help="path of the gradient model to write")
+    _add_artifacts_parser(sub)
     return parser
+
+
+def _add_artifacts_parser(sub) -> None:
+    art = sub.add_parser("artifacts", help="generate on-device training artifacts (models and checkpoint)")
+    art.add_argument("model", help="path of the ONNX model (inference graph, e.g. logits)")
+    art.add_argument("--requires-grad", nargs="+", required=True, metavar="NAME",
+                     help="initializers to train")
+    art.add_argument("--frozen", nargs="*", default=None, metavar="NAME",
+                     help="initializers kept in the checkpoint but not trained (others stay constants)")
+    art.add_argument("--loss", default=None, choices=["mse", "crossentropy", "bcewithlogits", "l1"],
+                     help="loss appended to the model's first output (default: the model's output is the loss)")
+    art.add_argument("--optimizer", default=None, choices=["adamw", "sgd"],
+                     help="optimizer model to generate (default: none)")
+    art.add_argument("--additional-outputs", nargs="*", default=None, metavar="NAME",
+                     help="model values the training and eval models also return")
+    art.add_argument("--loss-inputs", nargs="*", default=None, metavar="NAME",
+                     help="model outputs the loss reads (default: the first)")
+    art.add_argument("--prefix", default="", help="prefix of the artifact file names")
+    art.add_argument("--nominal-checkpoint", action="store_true", help="write names and shapes only")
+    art.add_argument("-o", "--output-dir", required=True, help="directory to write the artifacts to")
+
+
+def _cmd_artifacts(args) -> int:
+    from onnxtrain.ondevice.artifacts import generate_artifacts
+
+    paths = generate_artifacts(
+        args.model, requires_grad=args.requires_grad, frozen_params=args.frozen, loss=args.loss,
+        optimizer=args.optimizer, artifact_directory=args.output_dir, prefix=args.prefix,
+        additional_output_names=args.additional_outputs, nominal_checkpoint=args.nominal_checkpoint,
+        loss_input_names=args.loss_inputs)
+    for path in (paths.training_model, paths.eval_model, paths.optimizer_model, paths.checkpoint):
+        if path is not None:
+            print(f"wrote {path}")
+    return 0
 
 
 def _cmd_grad(args) -> int:
@@ -30,7 +65,7 @@ def _cmd_grad(args) -> int:
     return 0
 
 
-COMMANDS = {"grad": _cmd_grad}
+COMMANDS = {"grad": _cmd_grad, "artifacts": _cmd_artifacts}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,204 @@
+"""On-device training runtime against PyTorch eager: median training-step time and peak RSS.
+
+A step is forward + backward + optimizer step (AdamW, cross-entropy) on the same model, weights and
+synthetic batch. Each side runs in its own fresh process (so peak RSS is its own); the parent exports
+the model and generates the artifacts first.
+
+    python benchmarks/ondevice_bench.py                 # MLP and BERT-small, 2 threads
+    python benchmarks/ondevice_bench.py --models mlp --steps 50 --threads 4
+
+Models: MLP 784-1024-1024-10, batch 128; BERT-small (hidden 256, 4 layers, 4 heads, intermediate
+1024, seq 128, batch 8, dropout off), sequence classification with 2 labels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SEED = 0
+
+
+# -- models and data (identical in every process) ------------------------------------------------
+
+
+def build_torch_model(name: str):
+    import torch
+
+    torch.manual_seed(SEED)
+    if name == "mlp":
+        return torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                                   torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+    import transformers
+
+    config = transformers.BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                     intermediate_size=1024, max_position_embeddings=512, num_labels=2,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    bert = transformers.BertForSequenceClassification(config).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.bert = inner
+
+        def forward(self, input_ids, attention_mask):
+            return self.bert(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    return Logits(bert)
+
+
+def make_batch(name: str):
+    import numpy as np
+
+    rng = np.random.default_rng(SEED)
+    if name == "mlp":
+        return [rng.standard_normal((128, 784)).astype(np.float32)], rng.integers(0, 10, 128).astype(np.int64)
+    ids = rng.integers(1, 30522, (8, 128)).astype(np.int64)
+    return [ids, np.ones_like(ids)], rng.integers(0, 2, 8).astype(np.int64)
+
+
+# -- workers ---------------------------------------------------------------------------------------
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set (VmHWM; unlike ru_maxrss, not inherited across exec on Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def time_steps(step, steps: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def worker_ondevice(args) -> dict:
+    import onnxruntime as ort
+
+    from onnxtrain.api import CheckpointState, Module, Optimizer
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = args.threads
+    options.inter_op_num_threads = 1
+    d = Path(args.dir)
+    state = CheckpointState.load_checkpoint(d / "checkpoint")
+    module = Module(d / "training_model.onnx", state, session_options=options)
+    optimizer = Optimizer(d / "optimizer_model.onnx", module)
+    optimizer.set_learning_rate(1e-4)
+    inputs, labels = make_batch(args.model)
+
+    def step():
+        module(*inputs, labels)
+        optimizer.step()
+        module.lazy_reset_grad()
+
+    return {"times": time_steps(step, args.steps, args.warmup), "peak_rss_mb": peak_rss_mb(),
+            "loaded_torch": "torch" in sys.modules}
+
+
+def worker_torch(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model = build_torch_model(args.model).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    inputs, labels = make_batch(args.model)
+    inputs = [torch.from_numpy(x) for x in inputs]
+    labels = torch.from_numpy(labels)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(*inputs), labels)
+        loss.backward()
+        optimizer.step()
+
+    return {"times": time_steps(step, args.steps, args.warmup), "peak_rss_mb": peak_rss_mb()}
+
+
+# -- driver ----------------------------------------------------------------------------------------
+
+
+def generate(name: str, out: Path) -> None:
+    import torch
+
+    from onnxtrain import artifacts
+
+    model = build_torch_model(name).eval()
+    inputs, _ = make_batch(name)
+    example = tuple(torch.from_numpy(x) for x in inputs)
+    names = ["x"] if name == "mlp" else ["input_ids", "attention_mask"]
+    program = torch.onnx.export(model, example, dynamo=True, input_names=names, output_names=["logits"],
+                                dynamic_shapes=tuple({0: "batch"} for _ in example), optimize=False)
+    program.save(str(out / "model.onnx"))
+    trainable = [n for n, _ in model.named_parameters()]
+    artifacts.generate_artifacts(out / "model.onnx", requires_grad=trainable, loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=out)
+
+
+def run_worker(kind: str, name: str, d: Path, args) -> dict:
+    cmd = [sys.executable, __file__, "--worker", kind, "--model", name, "--dir", str(d), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{kind} worker for {name} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["mlp", "bert"], choices=["mlp", "bert"])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--worker", choices=["ondevice", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:
+        result = (worker_ondevice if args.worker == "ondevice" else worker_torch)(args)
+        print(json.dumps(result))
+        return 0
+
+    print(f"threads={args.threads} steps={args.steps} (after {args.warmup} warm-up); step = forward+backward+AdamW")
+    print(f"{'model':<6} {'side':<9} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} {'peak RSS MB':>12}")
+    for name in args.models:
+        with tempfile.TemporaryDirectory(prefix=f"ondevice_bench_{name}_") as tmp:
+            d = Path(tmp)
+            generate(name, d)
+            rows = {kind: run_worker(kind, name, d, args) for kind in ("ondevice", "torch")}
+        medians = {}
+        for kind, r in rows.items():
+            times = sorted(t * 1e3 for t in r["times"])
+            medians[kind] = statistics.median(times)
+            p10, p90 = times[len(times) // 10], times[(9 * len(times)) // 10]
+            print(f"{name:<6} {kind:<9} {medians[kind]:>10.2f} {p10:>8.2f} {p90:>8.2f} {r['peak_rss_mb']:>12.0f}")
+        if rows["ondevice"].get("loaded_torch"):
+            print("warning: the on-device worker imported torch")
+        print(f"{name:<6} ratio     torch/ondevice = {medians['torch'] / medians['ondevice']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

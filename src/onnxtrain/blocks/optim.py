@@ -1,0 +1,185 @@
+"""Optimizer blocks: AdamW and SGD as one standard-op ONNX graph that updates every parameter per call.
+
+The trainable parameters are laid out, per element type, in one flat vector (the runtime keeps them
+that way in memory, each parameter a view into it), so a step is a handful of elementwise nodes over a
+few long vectors instead of a dozen nodes per parameter. The graph's interface, for each element type
+``T`` present (e.g. ``float32``):
+
+    inputs   learning_rate (float32 scalar), step (int64 scalar: the step being taken, 1 for the first),
+             params.T, gradients.T, then one ``<state>.T`` per optimizer state (all flat, same length)
+    outputs  params.T.out, then ``<state>.T.out``: the runtime binds them to the input buffers, so a
+             step updates the parameters and states in place
+
+The layout (parameter names, shapes, order) and the hyperparameters are stored as JSON in the model's
+metadata under ``onnxtrain.optimizer``; the runtime checks it against the module it steps.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from onnxtrain.autodiff.builder import GraphBuilder
+
+OPSET = 17
+METADATA_KEY = "onnxtrain.optimizer"
+CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+
+
+@dataclass
+class AdamW:
+    """AdamW as ``torch.optim.AdamW`` (decoupled weight decay); defaults are ONNX Runtime Training's.
+
+    ``max_grad_norm`` clips the gradients by their global L2 norm first (``clip_grad_norm_``).
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+    bias_correction: bool = True
+    max_grad_norm: float | None = None
+
+    states = ("exp_avg", "exp_avg_sq")
+
+    def __post_init__(self):
+        b1, b2 = self.betas
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"AdamW betas must lie in [0, 1), got {self.betas}")
+        if self.eps < 0 or self.weight_decay < 0 or self.lr < 0:
+            raise ValueError(f"AdamW lr, eps and weight_decay must be >= 0, got {self}")
+        _check_clip(self.max_grad_norm)
+
+    def update(self, op: GraphBuilder, p, g, states, lr, step):
+        m, v = states
+        b1, b2 = self.betas
+        dtype = p.dtype  # builder outputs carry no type; take it from the input
+        c = lambda x: op.const(x, dtype=dtype)
+        if self.weight_decay:
+            p = op.Mul(p, op.Sub(c(1.0), op.Mul(lr, c(self.weight_decay))))
+        m = op.Add(op.Mul(m, c(b1)), op.Mul(g, c(1.0 - b1)))
+        v = op.Add(op.Mul(v, c(b2)), op.Mul(op.Mul(g, g), c(1.0 - b2)))
+        if self.bias_correction:
+            t = op.Cast(step, to=dtype)
+            step_size = op.Div(lr, op.Sub(c(1.0), op.Pow(c(b1), t)))
+            denom = op.Add(op.Div(op.Sqrt(v), op.Sqrt(op.Sub(c(1.0), op.Pow(c(b2), t)))), c(self.eps))
+        else:
+            step_size = lr
+            denom = op.Add(op.Sqrt(v), c(self.eps))
+        p = op.Sub(p, op.Mul(op.Div(m, denom), step_size))
+        return p, [m, v]
+
+
+@dataclass
+class SGD:
+    """SGD as ``torch.optim.SGD`` (momentum, dampening, Nesterov, L2 weight decay); plain by default."""
+
+    lr: float = 1e-3
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = None
+
+    def __post_init__(self):
+        if self.lr < 0 or self.momentum < 0 or self.weight_decay < 0:
+            raise ValueError(f"SGD lr, momentum and weight_decay must be >= 0, got {self}")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError("Nesterov momentum needs momentum > 0 and dampening 0 (as in torch.optim.SGD)")
+        _check_clip(self.max_grad_norm)
+
+    @property
+    def states(self) -> tuple[str, ...]:
+        return ("momentum_buffer",) if self.momentum else ()
+
+    def update(self, op: GraphBuilder, p, g, states, lr, step):
+        dtype = p.dtype  # builder outputs carry no type; take it from the input
+        c = lambda x: op.const(x, dtype=dtype)
+        if self.weight_decay:
+            g = op.Add(g, op.Mul(p, c(self.weight_decay)))
+        new_states = []
+        if self.momentum:
+            (buf,) = states
+            buf = op.Add(op.Mul(buf, c(self.momentum)), op.Mul(g, c(1.0 - self.dampening)) if self.dampening else g)
+            if self.dampening:  # torch starts the buffer at the first gradient, undamped
+                buf = op.Where(op.Equal(step, op.const(np.array(1, np.int64))), g, buf)
+            new_states = [buf]
+            g = op.Add(g, op.Mul(buf, c(self.momentum))) if self.nesterov else buf
+        return op.Sub(p, op.Mul(g, lr)), new_states
+
+
+def _check_clip(max_grad_norm) -> None:
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+
+
+# -------------------------------------------------------------------------------------------------
+# The optimizer model
+# -------------------------------------------------------------------------------------------------
+
+
+def _group_layout(params: list[tuple[str, np.dtype, tuple[int, ...]]]) -> list[dict]:
+    groups: dict[str, dict] = {}
+    for name, dtype, shape in params:
+        key = np.dtype(dtype).name
+        group = groups.setdefault(key, {"dtype": key, "params": [], "size": 0})
+        group["params"].append({"name": name, "shape": list(shape)})
+        group["size"] += int(np.prod(shape, dtype=np.int64))
+    return list(groups.values())
+
+
+def _global_clip(op: GraphBuilder, grads: list[ir.Value], max_norm: float) -> list[ir.Value]:
+    """Scale all gradients by ``min(1, max_norm / (||g||_2 + 1e-6))`` over every parameter together."""
+    sq = [op.Cast(op.ReduceSum(op.Mul(g, g), keepdims=0), to=ir.DataType.FLOAT) for g in grads]
+    total = op.Sqrt(sq[0] if len(sq) == 1 else op.Sum(*sq))
+    f = lambda x: op.const(np.array(x, np.float32))
+    coef = op.Min(op.Div(f(max_norm), op.Add(total, f(CLIP_EPS))), f(1.0))
+    return [op.Mul(g, op.Cast(coef, to=g.dtype)) if g.dtype != ir.DataType.FLOAT else op.Mul(g, coef)
+            for g in grads]
+
+
+def _flat_input(name: str, group: dict) -> ir.Value:
+    dtype = ir.DataType.from_numpy(np.dtype(group["dtype"]))
+    return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape([group["size"]]))
+
+
+def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dtype, tuple[int, ...]]]) -> onnx.ModelProto:
+    """The optimizer model for ``params`` (name, element type, shape of each trainable parameter, in order)."""
+    if not params:
+        raise ValueError("the optimizer needs at least one trainable parameter")
+    groups = _group_layout(params)
+    op = GraphBuilder(prefix="optimizer", opset=OPSET)
+    lr = ir.Value(name="learning_rate", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]))
+    step = ir.Value(name="step", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+    inputs, outputs = [lr, step], []
+    flat = {}
+    for group in groups:
+        p, g, *states = (_flat_input(f"{n}.{group['dtype']}", group)
+                         for n in ("params", "gradients", *optimizer.states))
+        inputs += [p, g, *states]
+        flat[group["dtype"]] = (p, g, states)
+    grads = [g for _, g, _ in flat.values()]
+    if optimizer.max_grad_norm is not None:
+        grads = _global_clip(op, grads, optimizer.max_grad_norm)
+    for (key, (p, _, states)), g in zip(flat.items(), grads):
+        lr_t = lr if p.dtype == ir.DataType.FLOAT else op.Cast(lr, to=p.dtype)
+        new_p, new_states = optimizer.update(op, p, g, states, lr_t, step)
+        for value, source in zip([new_p, *new_states], [p, *states]):
+            if value.producer() is None:
+                value = op.Identity(value)
+            value.name = f"{source.name}.out"
+            value.type, value.shape = source.type, source.shape
+            outputs.append(value)
+    graph = ir.Graph(inputs, outputs, nodes=op.nodes, opset_imports={"": OPSET}, name="optimizer")
+    model = ir.Model(graph, ir_version=8, producer_name="onnxtrain")
+    meta = {"type": type(optimizer).__name__, "hyperparameters": asdict(optimizer),
+            "states": list(optimizer.states), "groups": groups}
+    model.metadata_props[METADATA_KEY] = json.dumps(meta)
+    return ir.to_proto(model)
+
+
+__all__ = ["METADATA_KEY", "SGD", "AdamW", "build_optimizer_model"]

@@ -1,0 +1,386 @@
+"""``generate_artifacts``: an ONNX model in, the four on-device training artifacts out.
+
+    training_model.onnx   inputs: model inputs, loss inputs (labels), then every checkpoint parameter
+                          outputs: loss, additional outputs, then ``<param>_grad`` per trainable parameter
+    eval_model.onnx       the same inputs (parameters included) and outputs, without the gradients
+    optimizer_model.onnx  one call updates every trainable parameter (see onnxtrain.blocks.optim)
+    checkpoint            parameters, requires-grad flags, properties (see onnxtrain.ondevice.checkpoint)
+
+Checkpoint parameters (the trainable and the explicitly frozen initializers) become graph inputs, so the
+models hold no weights: the runtime binds the checkpoint's buffers once and updates them in place.
+Initializers named in neither list stay constants baked into the models.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common
+
+from onnxtrain.autodiff.builder import GraphBuilder, is_float
+from onnxtrain.autodiff.engine import (
+    build_gradients,
+    grad_name,
+    ir_version_for_onnxruntime,
+    prepare_model,
+)
+from onnxtrain.blocks import optim as optim_blocks
+from onnxtrain.blocks.loss import (
+    BCEWithLogitsLoss,
+    CrossEntropyLoss,
+    L1Loss,
+    Loss,
+    MSELoss,
+)
+from onnxtrain.ondevice import checkpoint as ckpt
+from onnxtrain.utils.io import load_model, save_model_atomic
+
+TRAINING_METADATA_KEY = "onnxtrain.training"
+
+
+class LossType(enum.Enum):
+    """The built-in losses (as in onnxruntime.training.artifacts.LossType)."""
+
+    MSELoss = 1
+    CrossEntropyLoss = 2
+    BCEWithLogitsLoss = 3
+    L1Loss = 4
+
+
+class OptimType(enum.Enum):
+    """The built-in optimizers with ONNX Runtime Training's defaults."""
+
+    AdamW = 1
+    SGD = 2
+
+
+_LOSSES = {LossType.MSELoss: MSELoss, LossType.CrossEntropyLoss: CrossEntropyLoss,
+           LossType.BCEWithLogitsLoss: BCEWithLogitsLoss, LossType.L1Loss: L1Loss}
+_LOSS_ALIASES = {"mse": LossType.MSELoss, "mseloss": LossType.MSELoss,
+                 "crossentropy": LossType.CrossEntropyLoss, "crossentropyloss": LossType.CrossEntropyLoss,
+                 "ce": LossType.CrossEntropyLoss, "bcewithlogits": LossType.BCEWithLogitsLoss,
+                 "bcewithlogitsloss": LossType.BCEWithLogitsLoss, "l1": LossType.L1Loss, "l1loss": LossType.L1Loss}
+_OPTIMIZERS = {OptimType.AdamW: optim_blocks.AdamW, OptimType.SGD: optim_blocks.SGD}
+
+
+@dataclass
+class Artifacts:
+    """Where ``generate_artifacts`` wrote the files."""
+
+    training_model: Path
+    eval_model: Path
+    optimizer_model: Path | None
+    checkpoint: Path
+
+
+def resolve_loss(loss) -> Loss | None:
+    if loss is None or isinstance(loss, Loss):
+        return loss
+    if isinstance(loss, str):
+        key = loss.lower().replace("_", "").replace("-", "")
+        if key not in _LOSS_ALIASES:
+            raise ValueError(f"unknown loss {loss!r}; use one of {sorted(set(_LOSS_ALIASES))}")
+        loss = _LOSS_ALIASES[key]
+    if isinstance(loss, LossType):
+        return _LOSSES[loss]()
+    raise TypeError(f"loss must be a LossType, a loss name or an artifacts.Loss instance, got {type(loss).__name__}")
+
+
+def resolve_optimizer(optimizer):
+    if optimizer is None or isinstance(optimizer, (optim_blocks.AdamW, optim_blocks.SGD)):
+        return optimizer
+    if isinstance(optimizer, str):
+        by_name = {t.name.lower(): t for t in OptimType}
+        if optimizer.lower() not in by_name:
+            raise ValueError(f"unknown optimizer {optimizer!r}; use one of {sorted(by_name)}")
+        optimizer = by_name[optimizer.lower()]
+    if isinstance(optimizer, OptimType):
+        return _OPTIMIZERS[optimizer]()
+    raise TypeError("optimizer must be an OptimType, 'adamw'/'sgd', or an artifacts.AdamW/SGD instance, "
+                    f"got {type(optimizer).__name__}")
+
+
+# -------------------------------------------------------------------------------------------------
+# Parameters
+# -------------------------------------------------------------------------------------------------
+
+
+def _as_list(names, what: str) -> list[str]:
+    if names is None:
+        return []
+    if isinstance(names, str):
+        names = [names]
+    names = list(names)
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"{what} names repeat: {dupes}")
+    return names
+
+
+def select_parameters(graph: ir.Graph, requires_grad, frozen_params) -> tuple[list[str], list[str]]:
+    """Check the two name lists against the model's initializers; return (trainable, frozen) in model order."""
+    trainable, frozen = _as_list(requires_grad, "requires_grad"), _as_list(frozen_params, "frozen_params")
+    both = sorted(set(trainable) & set(frozen))
+    if both:
+        raise ValueError(f"parameters {both} are in both requires_grad and frozen_params; name each in one list")
+    inits = graph.initializers
+    floats = [n for n, v in inits.items() if is_float(v)]
+    unknown = [n for n in trainable + frozen if n not in inits]
+    if unknown:
+        hint = ", ".join(floats[:8]) + (", ..." if len(floats) > 8 else "")
+        raise KeyError(f"{unknown} are not initializers of the model; its float initializers are: {hint or 'none'}")
+    non_float = [n for n in trainable if not is_float(inits[n])]
+    if non_float:
+        raise TypeError(f"{non_float} are not floating-point initializers and cannot require gradients "
+                        f"({', '.join(str(inits[n].dtype) for n in non_float)})")
+    if not trainable:
+        raise ValueError("the model has no trainable floating-point initializer: pass requires_grad=[...] with "
+                         f"the names to train (float initializers: {floats[:8] or 'none'}); "
+                         "initializers named in neither list are frozen")
+    order = {n: i for i, n in enumerate(inits)}
+    return sorted(trainable, key=order.get), sorted(frozen, key=order.get)
+
+
+def _lift_to_inputs(graph: ir.Graph, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Turn the named initializers into graph inputs; return their values."""
+    values = {}
+    for name in names:
+        value = graph.initializers.pop(name)
+        tensor = value.const_value
+        values[name] = tensor.numpy()
+        value.const_value = None
+        value.type = ir.TensorType(tensor.dtype)
+        value.shape = ir.Shape(list(tensor.shape))
+        graph.inputs.append(value)
+    return values
+
+
+# -------------------------------------------------------------------------------------------------
+# Loss and outputs
+# -------------------------------------------------------------------------------------------------
+
+
+def _fold_constants(model: ir.Model) -> None:
+    """Fold what does not depend on a model input or parameter (onnxscript's optimizer, if installed).
+
+    The parameters are graph inputs by now, so only true constants fold: shape arithmetic that some
+    gradient rules need as constants (Slice axes, Reshape shapes), never a parameter.
+    """
+    try:
+        import onnxscript.optimizer
+    except ImportError:
+        return
+    # Its folder logs a warning for each node it cannot evaluate (and leaves it as is): not our user's concern.
+    folding_log = logging.getLogger("onnxscript.optimizer._constant_folding")
+    level = folding_log.level
+    folding_log.setLevel(logging.ERROR)
+    try:
+        onnxscript.optimizer.optimize(model)
+    finally:
+        folding_log.setLevel(level)
+
+
+def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    values = {v.name: v for v in graph.inputs}
+    values.update({n: v for n, v in graph.initializers.items()})
+    for node in graph:
+        values.update({v.name: v for v in node.outputs if v.name})
+    return values
+
+
+def _loss_sources(graph: ir.Graph, loss_input_names) -> list[ir.Value]:
+    outputs = {v.name: v for v in graph.outputs}
+    if loss_input_names is None:
+        if not graph.outputs:
+            raise ValueError("the model has no outputs to compute a loss from")
+        return [graph.outputs[0]]
+    names = _as_list(loss_input_names, "loss_input_names")
+    missing = [n for n in names if n not in outputs]
+    if missing:
+        raise KeyError(f"loss_input_names {missing} are not outputs of the model (outputs: {list(outputs)})")
+    return [outputs[n] for n in names]
+
+
+def _append_loss(graph: ir.Graph, loss: Loss | None, sources: list[ir.Value], taken: set[str]) -> ir.Value:
+    """Add the loss block's inputs and nodes to ``graph``; return the scalar loss value."""
+    if loss is None:  # the model computes its own loss
+        value = sources[0]
+        if not is_float(value) or (value.shape is not None and len(value.shape) != 0):
+            raise ValueError(f"with loss=None the model output {value.name!r} is the loss and must be a float "
+                             f"scalar (shape [] ); it has type {value.dtype} and shape {value.shape}. "
+                             "Pass loss=LossType... or an artifacts.Loss block.")
+        return value
+    extra = [spec.to_value() for spec in loss.inputs(*sources)]
+    clash = [v.name for v in extra if v.name in taken]
+    if clash:
+        raise ValueError(f"the loss input names {clash} are already used in the model; "
+                         "give the loss other names (e.g. CrossEntropyLoss(labels_name=...))")
+    user_inputs = [v for v in graph.inputs]
+    graph.inputs.clear()
+    graph.inputs.extend([*user_inputs, *extra])
+    op = GraphBuilder(taken_names=taken | {v.name for v in extra}, prefix="loss",
+                      opset=graph.opset_imports.get("", optim_blocks.OPSET))
+    value = loss.build(op, *sources, *extra)
+    if not isinstance(value, ir.Value):
+        raise TypeError(f"{type(loss).__name__}.build must return the loss ir.Value, got {type(value).__name__}")
+    graph.extend(op.nodes)
+    return value
+
+
+def _set_outputs(graph: ir.Graph, loss_value: ir.Value, loss_dtype: ir.DataType, additional: list[str],
+                 taken: set[str]) -> None:
+    values = _values_by_name(graph)
+    missing = [n for n in additional if n not in values]
+    if missing:
+        raise KeyError(f"additional_output_names {missing} are not values of the model "
+                       f"(its outputs: {[v.name for v in graph.outputs]})")
+    op = GraphBuilder(taken_names=taken | set(values), prefix="output")
+    if loss_value.is_graph_input() or loss_value.is_initializer():
+        loss_value = op.Identity(loss_value)
+    if loss_value.name not in {v.name for v in graph.outputs} and "loss" not in values:
+        loss_value.name = "loss"
+    outs = [loss_value]
+    for name in additional:
+        v = values[name]
+        if v.is_graph_input() or v.is_initializer() or v in outs:
+            v = op.Identity(v)
+        outs.append(v)
+    graph.extend(op.nodes)
+    graph.outputs.clear()
+    graph.outputs.extend(outs)
+    loss_value.shape = ir.Shape([])
+    if loss_value.type is None:  # a loss block's value: its type is the logits' (checked by ORT on load)
+        loss_value.type = ir.TensorType(loss_dtype)
+
+
+def build_eval_model(proto: onnx.ModelProto, requires_grad, frozen_params, loss, additional_output_names,
+                     loss_input_names) -> tuple[onnx.ModelProto, dict]:
+    """The eval model (forward + loss) and a description: parameters, user inputs, outputs."""
+    model = ir.from_proto(proto)
+    graph = model.graph
+    onnx_ir.passes.common.TopologicalSortPass()(model)
+    trainable, frozen = select_parameters(graph, requires_grad, frozen_params)
+    n_user = len(graph.inputs)
+    params = _lift_to_inputs(graph, trainable + frozen)
+    _fold_constants(model)
+    sources = _loss_sources(graph, loss_input_names)
+    taken = set(_values_by_name(graph))
+    loss_value = _append_loss(graph, loss, sources, taken)  # its inputs go after the model's
+    lifted = graph.inputs[n_user:n_user + len(params)]
+    rest = [v for v in graph.inputs if v not in lifted]
+    graph.inputs.clear()
+    graph.inputs.extend(rest + lifted)  # model inputs, loss inputs, then the parameters
+    user_inputs = [v.name for v in rest]
+    _set_outputs(graph, loss_value, sources[0].dtype, _as_list(additional_output_names, "additional_output_names"), taken)
+    onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
+    info = {"user_inputs": user_inputs, "outputs": [v.name for v in graph.outputs],
+            "trainable": trainable, "frozen": frozen}
+    graph.metadata_props.clear()
+    model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**info, "kind": "eval"})
+    proto = _infer_shapes(ir_version_for_onnxruntime(ir.to_proto(model)))
+    return proto, {**info, "values": params}
+
+
+def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """Shapes of the loss nodes, which the gradient engine needs to un-broadcast."""
+    if proto.ByteSize() >= 2**31 - 1:
+        return proto  # only unlisted constants can make it this big; prepare_model inferred the rest
+    try:
+        return onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception as exc:
+        raise ValueError(f"ONNX shape inference failed on the model with its loss ({exc}); check that the "
+                         "loss block's inputs match the model outputs in type and rank") from exc
+
+
+def build_training_model(eval_proto: onnx.ModelProto, info: dict) -> onnx.ModelProto:
+    """Add the gradients of the loss w.r.t. the trainable parameters to the eval model."""
+    model = ir.from_proto(eval_proto)
+    graph = model.graph
+    by_name = {v.name: v for v in graph.inputs}
+    wrt = [by_name[n] for n in info["trainable"]]
+    loss_value = graph.outputs[0]
+    taken = set(_values_by_name(graph))
+    new = [grad_name(n) for n in info["trainable"]]
+    for name in new:
+        if name in by_name or name in {v.name for v in graph.outputs}:
+            raise ValueError(f"the model already has an input or output named {name!r}; rename it first")
+    values = _values_by_name(graph)
+    for name in new:
+        if name in values:
+            values[name].name = f"{name}__orig"
+    builder = GraphBuilder(taken_names=taken | set(new) | {f"{n}__orig" for n in new})
+    seed = builder.const(np.ones((), dtype=loss_value.dtype.numpy()))
+    grads = build_gradients(graph, wrt, [loss_value], [seed], builder)
+    final: list[ir.Value] = []
+    for name, v, g in zip(info["trainable"], wrt, grads):
+        if g.producer() is None or g in final or g.is_graph_output() or g.is_graph_input():
+            g = builder.Identity(g)
+        g.name, g.type, g.shape = grad_name(name), v.type, v.shape
+        final.append(g)
+    graph.extend(builder.nodes)
+    graph.outputs.extend(final)
+    if any(n.domain == "com.microsoft" for n in builder.nodes):
+        graph.opset_imports.setdefault("com.microsoft", 1)
+    onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
+    meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen")}
+    model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training",
+                                                              "gradients": new})
+    return ir_version_for_onnxruntime(ir.to_proto(model))
+
+
+# -------------------------------------------------------------------------------------------------
+# The public entry point
+# -------------------------------------------------------------------------------------------------
+
+
+def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad: Sequence[str] | None = None,
+                       frozen_params: Sequence[str] | None = None, loss=None, optimizer=None,
+                       artifact_directory: str | os.PathLike | None = None, prefix: str = "",
+                       additional_output_names: Sequence[str] | None = None, nominal_checkpoint: bool = False,
+                       loss_input_names: Sequence[str] | None = None) -> Artifacts:
+    """Write the training, eval and optimizer models and the checkpoint for on-device training.
+
+    ``requires_grad`` names the initializers to train; ``frozen_params`` the ones to keep in the
+    checkpoint unchanged; others stay constants in the models. ``loss`` is a :class:`LossType`, a name
+    ("crossentropy", "mse", ...), a :class:`Loss` block, or None when the model's first output (or
+    ``loss_input_names[0]``) already is the scalar loss. ``optimizer`` is an :class:`OptimType`, "adamw"
+    or "sgd", an ``AdamW(...)``/``SGD(...)`` instance for other hyperparameters, or None for no
+    optimizer model. ``loss_input_names`` picks the model outputs the loss reads (default: the first).
+    """
+    loss_block = resolve_loss(loss)
+    optimizer_block = resolve_optimizer(optimizer)
+    proto = prepare_model(load_model(model))
+    eval_proto, info = build_eval_model(proto, requires_grad, frozen_params, loss_block,
+                                        additional_output_names, loss_input_names)
+    training_proto = build_training_model(eval_proto, info)
+
+    out_dir = Path(artifact_directory if artifact_directory is not None else os.getcwd())
+    paths = Artifacts(out_dir / f"{prefix}training_model.onnx", out_dir / f"{prefix}eval_model.onnx",
+                      out_dir / f"{prefix}optimizer_model.onnx" if optimizer_block else None,
+                      out_dir / f"{prefix}checkpoint")
+    save_model_atomic(training_proto, paths.training_model)
+    save_model_atomic(eval_proto, paths.eval_model)
+    values = info["values"]
+    if optimizer_block is not None:
+        layout = [(n, values[n].dtype, values[n].shape) for n in info["trainable"]]
+        opt_proto = optim_blocks.build_optimizer_model(optimizer_block, layout)
+        save_model_atomic(opt_proto, paths.optimizer_model)
+    data = ckpt.CheckpointData(
+        parameters={n: values[n] for n in info["trainable"] + info["frozen"]},
+        requires_grad={n: n in info["trainable"] for n in info["trainable"] + info["frozen"]},
+        nominal=nominal_checkpoint,
+    )
+    ckpt.save(data, paths.checkpoint)
+    return paths
+
+
+__all__ = ["Artifacts", "LossType", "OptimType", "generate_artifacts"]
