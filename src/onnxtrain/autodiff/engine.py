@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common
@@ -281,44 +282,68 @@ def gradient_model(model: onnx.ModelProto | str | os.PathLike, wrt: Sequence[str
     if not out_values:
         raise ValueError("the model has no floating-point output to differentiate")
 
-    io_names = {v.name for v in graph.inputs} | set(graph_outputs)
-    new_names = [grad_name(v.name) for v in out_values] + [grad_name(n) for n in wrt]
-    clash = sorted({n for n in new_names if new_names.count(n) > 1})
+    seed_names = [grad_name(v.name) for v in out_values]
+    clash = sorted(set(seed_names) & {grad_name(n) for n in wrt})
     if clash:
         raise ValueError(
             f"{clash[0]!r} would name both an output-gradient input and a gradient output (a value is "
             "both differentiated and differentiated against); drop it from `outputs` or from `wrt`"
         )
-    for name in new_names:
+    reserve_names(graph, seed_names)
+    seeds = [ir.Value(name=name, type=v.type, shape=v.shape) for name, v in zip(seed_names, out_values)]
+    graph.inputs.extend(seeds)
+    add_gradient_outputs(ir_model, wrt_values, out_values, seeds)
+    return ir_version_for_onnxruntime(ir.to_proto(ir_model))
+
+
+def reserve_names(graph: ir.Graph, names: Sequence[str]) -> set[str]:
+    """Free ``names`` for new graph inputs/outputs; internal values of those names are renamed.
+
+    A clash with an existing graph input or output is an error. Returns every name now taken.
+    """
+    values = _all_values(graph)
+    io_names = {v.name for v in graph.inputs} | {v.name for v in graph.outputs}
+    taken = set(values) | set(names)
+    for name in names:
         if name in io_names:
             raise ValueError(f"the model already has an input or output named {name!r}; rename it first")
         if name in values:  # an internal value: step aside
-            values[name].name = f"{name}__orig"
-    builder = GraphBuilder(taken_names=set(values) | {f"{n}__orig" for n in new_names} | set(new_names))
+            new = f"{name}__orig"
+            while new in taken:
+                new += "_"
+            values[name].name = new
+            taken.add(new)
+    return taken
 
-    seeds = []
-    for v in out_values:
-        seed = ir.Value(name=grad_name(v.name), type=v.type, shape=v.shape)
-        graph.inputs.append(seed)
-        seeds.append(seed)
 
-    grads = build_gradients(graph, wrt_values, out_values, seeds, builder)
+def add_gradient_outputs(model: ir.Model, wrt: Sequence[ir.Value], outputs: Sequence[ir.Value],
+                         seeds: Sequence[ir.Value] | None = None,
+                         names: Sequence[str] | None = None) -> list[ir.Value]:
+    """Append the gradient of ``outputs`` w.r.t. ``wrt`` to ``model`` as outputs ``<name>_grad``.
+
+    ``seeds`` are the incoming output gradients (values the caller added, e.g. graph inputs);
+    ``None`` differentiates scalar outputs with a seed of one (a loss). ``names`` default to the
+    ``wrt`` values' names. Returns the new graph outputs, in ``wrt`` order.
+    """
+    graph = model.graph
+    out_names = [grad_name(n) for n in (names if names is not None else [v.name for v in wrt])]
+    builder = GraphBuilder(taken_names=reserve_names(graph, out_names))
+    if seeds is None:
+        seeds = [builder.const(np.ones((), dtype=v.dtype.numpy())) for v in outputs]
+    grads = build_gradients(graph, wrt, outputs, seeds, builder)
     final: list[ir.Value] = []
-    for name, v, g in zip(wrt, wrt_values, grads):
-        # A gradient that is a graph input (a seed), or shared with another output, gets its own node.
-        if g.producer() is None or g in final or g.is_graph_output():
+    for name, v, g in zip(out_names, wrt, grads):
+        # A gradient that is a graph input (a seed) or shared with another output gets its own node.
+        if g.producer() is None or g in final or g.is_graph_output() or g.is_graph_input():
             g = builder.Identity(g)
-        g.name = grad_name(name)
-        g.type = v.type
-        g.shape = v.shape
+        g.name, g.type, g.shape = name, v.type, v.shape
         final.append(g)
     graph.extend(builder.nodes)
     graph.outputs.extend(final)
     if any(n.domain == "com.microsoft" for n in builder.nodes):
         graph.opset_imports.setdefault("com.microsoft", 1)
-    ir.passes.common.RemoveUnusedNodesPass()(ir_model)
-
-    return ir_version_for_onnxruntime(ir.to_proto(ir_model))
+    ir.passes.common.RemoveUnusedNodesPass()(model)
+    return final
 
 
 def ir_version_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -330,6 +355,8 @@ def ir_version_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
 
 __all__ = [
     "UnsupportedOpError",
+    "add_gradient_outputs",
+    "reserve_names",
     "build_gradients",
     "gradient_model",
     "grad_name",

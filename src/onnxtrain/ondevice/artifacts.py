@@ -28,7 +28,7 @@ import onnx_ir.passes.common
 
 from onnxtrain.autodiff.builder import GraphBuilder, is_float
 from onnxtrain.autodiff.engine import (
-    build_gradients,
+    add_gradient_outputs,
     grad_name,
     ir_version_for_onnxruntime,
     prepare_model,
@@ -308,29 +308,8 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict) -> onnx.ModelP
     by_name = {v.name: v for v in graph.inputs}
     wrt = [by_name[n] for n in info["trainable"]]
     loss_value = graph.outputs[0]
-    taken = set(_values_by_name(graph))
     new = [grad_name(n) for n in info["trainable"]]
-    for name in new:
-        if name in by_name or name in {v.name for v in graph.outputs}:
-            raise ValueError(f"the model already has an input or output named {name!r}; rename it first")
-    values = _values_by_name(graph)
-    for name in new:
-        if name in values:
-            values[name].name = f"{name}__orig"
-    builder = GraphBuilder(taken_names=taken | set(new) | {f"{n}__orig" for n in new})
-    seed = builder.const(np.ones((), dtype=loss_value.dtype.numpy()))
-    grads = build_gradients(graph, wrt, [loss_value], [seed], builder)
-    final: list[ir.Value] = []
-    for name, v, g in zip(info["trainable"], wrt, grads):
-        if g.producer() is None or g in final or g.is_graph_output() or g.is_graph_input():
-            g = builder.Identity(g)
-        g.name, g.type, g.shape = grad_name(name), v.type, v.shape
-        final.append(g)
-    graph.extend(builder.nodes)
-    graph.outputs.extend(final)
-    if any(n.domain == "com.microsoft" for n in builder.nodes):
-        graph.opset_imports.setdefault("com.microsoft", 1)
-    onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
+    add_gradient_outputs(model, wrt, [loss_value], names=info["trainable"])
     meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen")}
     model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training",
                                                               "gradients": new})
