@@ -331,10 +331,11 @@ def add_gradient_outputs(model: ir.Model, wrt: Sequence[ir.Value], outputs: Sequ
     if seeds is None:
         seeds = [builder.const(np.ones((), dtype=v.dtype.numpy())) for v in outputs]
     grads = build_gradients(graph, wrt, outputs, seeds, builder)
+    made = set(builder.nodes)
     final: list[ir.Value] = []
     for name, v, g in zip(out_names, wrt, grads):
-        # A gradient that is a graph input (a seed) or shared with another output gets its own node.
-        if g.producer() is None or g in final or g.is_graph_output() or g.is_graph_input():
+        # A gradient that is not a new value (a seed, a forward value) or is shared gets its own node.
+        if g.producer() not in made or g in final or g.is_graph_output():
             g = builder.Identity(g)
         g.name, g.type, g.shape = name, v.type, v.shape
         final.append(g)

@@ -1,0 +1,175 @@
+"""ORTModule against PyTorch eager and torch.compile on CPU training steps.
+
+    python benchmarks/ortmodule_bench.py                       # everything (a few minutes)
+    python benchmarks/ortmodule_bench.py --workloads bert --modes eager ortmodule --steps 30
+
+Each (workload, mode) runs in its own process, one after another, so that peak RSS and first-step times
+are not polluted by the others. A step is forward + backward + AdamW step, float32, 2 threads. Printed:
+first-step time (export / compilation included), median and min step time after warm-up, the ratio of
+median step times to eager and to torch.compile (>1 means faster than it), and peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+WORKLOADS = ("mlp", "bert", "gpt2")
+MODES = ("eager", "compile", "ortmodule")
+DESCRIPTIONS = {
+    "mlp": "MLP 784-1024-1024-10, ReLU, batch 128",
+    "bert": "BertForSequenceClassification hidden 256, 4 layers, 4 heads, seq 128, batch 8",
+    "gpt2": "GPT2LMHeadModel n_embd 256, 4 layers, 4 heads, seq 128, batch 4",
+}
+
+
+# -- workloads (random weights, synthetic data) -------------------------------------------------
+def make_workload(name: str):
+    import torch
+
+    torch.manual_seed(0)
+    if name == "mlp":
+        model = torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                                    torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+        x, y = torch.randn(128, 784), torch.randint(0, 10, (128,))
+
+        def loss_fn(m):
+            return torch.nn.functional.cross_entropy(m(x), y)
+
+        return model, loss_fn
+    if name == "bert":
+        from transformers import BertConfig, BertForSequenceClassification
+
+        config = BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
+                            vocab_size=30522, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = BertForSequenceClassification(config)
+        ids = torch.randint(0, 30522, (8, 128))
+        mask = torch.ones(8, 128, dtype=torch.int64)
+        labels = torch.randint(0, 2, (8,))
+        return model, lambda m: m(input_ids=ids, attention_mask=mask, labels=labels).loss
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_embd=256, n_layer=4, n_head=4, vocab_size=50257, use_cache=False,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(config)
+        ids = torch.randint(0, 50257, (4, 128))
+        return model, lambda m: m(input_ids=ids, labels=ids).loss
+    raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
+
+
+def wrap(model, mode: str):
+    import torch
+
+    if mode == "eager":
+        return model
+    if mode == "compile":
+        return torch.compile(model)
+    if mode == "ortmodule":
+        from onnxtrain import ORTModule
+
+        return ORTModule(model)
+    raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
+
+
+def worker(workload: str, mode: str, steps: int, warmup: int, threads: int) -> dict:
+    import psutil
+    import torch
+
+    torch.set_num_threads(threads)
+    model, loss_fn = make_workload(workload)
+    model.train()
+    runner = wrap(model, mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(runner)
+        loss.backward()
+        optimizer.step()
+        return time.perf_counter() - start, loss.item()
+
+    first, first_loss = step()
+    for _ in range(warmup):
+        step()
+    times = [step()[0] for _ in range(steps)]
+    if mode == "ortmodule" and runner.fallback_reason is not None:
+        raise RuntimeError(f"ORTModule fell back to PyTorch: {runner.fallback_reason}")
+    rss = psutil.Process().memory_info()
+    peak = getattr(rss, "peak_wset", None) or _peak_rss()
+    return {"workload": workload, "mode": mode, "first_s": first, "median_s": statistics.median(times),
+            "min_s": min(times), "peak_rss_mb": peak / 2**20, "first_loss": first_loss, "steps": steps}
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+# -- driver ---------------------------------------------------------------------------------------
+def run_one(workload: str, mode: str, args) -> dict:
+    command = [sys.executable, __file__, "--worker", workload, mode, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        return {"workload": workload, "mode": mode, "error": " | ".join(tail)}
+    return json.loads(lines[-1])
+
+
+def report(results: list[dict]) -> None:
+    by_key = {(r["workload"], r["mode"]): r for r in results}
+    header = f"{'workload':9} {'mode':10} {'first step':>11} {'median':>9} {'min':>9} {'vs eager':>9} " \
+             f"{'vs compile':>10} {'peak RSS':>9}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        if "error" in r:
+            print(f"{r['workload']:9} {r['mode']:10} failed: {r['error']}")
+            continue
+        eager = by_key.get((r["workload"], "eager"), {}).get("median_s")
+        compiled = by_key.get((r["workload"], "compile"), {}).get("median_s")
+        vs_eager = f"{eager / r['median_s']:.2f}x" if eager else "-"
+        vs_compile = f"{compiled / r['median_s']:.2f}x" if compiled else "-"
+        print(f"{r['workload']:9} {r['mode']:10} {r['first_s']:10.2f}s {r['median_s'] * 1e3:7.1f}ms "
+              f"{r['min_s'] * 1e3:7.1f}ms {vs_eager:>9} {vs_compile:>10} {r['peak_rss_mb']:7.0f}MB")
+    print("\nratios: eager (or compile) median step time / this median step time; >1 is faster")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps after warm-up (at least 20)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(*args.worker, args.steps, args.warmup, args.threads)))
+        return 0
+    if args.steps < 20:
+        parser.error("--steps must be at least 20")
+    results = []
+    for workload in args.workloads:
+        print(f"# {workload}: {DESCRIPTIONS[workload]}", file=sys.stderr)
+        for mode in args.modes:
+            results.append(run_one(workload, mode, args))
+            print(f"  {mode}: done", file=sys.stderr)
+    report(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Export a ``torch.nn.Module`` call to an ONNX graph whose inputs and outputs are flat tensor lists.
+
+``capture(module, args, kwargs)`` wraps the module in :class:`FlatModule` (flat tensors in, flat tensors
+out, plus the new values of the module's buffers so that in-place updates such as BatchNorm's running
+statistics survive), exports it with ``torch.onnx.export(..., dynamo=True)`` with the batch and sequence
+axes dynamic, and falls back to the TorchScript exporter if that fails. Parameters and buffers stay
+initializers named as in ``module.named_parameters()``; no constant folding touches them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from dataclasses import dataclass, field
+
+import onnx
+import onnx_ir as ir
+import torch
+
+from onnxtrain.capture.batchnorm import TRANSLATIONS
+from onnxtrain.capture.flatten import Spec, flatten, unflatten
+
+logger = logging.getLogger("onnxtrain.capture")
+
+OPSET = 18
+_PREFIX = "module."
+
+
+class ExportError(RuntimeError):
+    """Both exporters failed; the message carries both reasons."""
+
+
+class FlatModule(torch.nn.Module):
+    """``forward(*tensors)`` -> ``(*output tensors, *buffer values)`` around ``module``."""
+
+    def __init__(self, module: torch.nn.Module, input_spec: Spec, buffer_names: list[str]):
+        super().__init__()
+        self.module = module
+        self.input_spec = input_spec
+        self.buffer_names = buffer_names
+        # The output structure is recorded in a plain dict: exporters undo module attribute changes.
+        self.record: dict[str, Spec] = {}
+
+
+    def forward(self, *tensors):
+        args, kwargs = unflatten(tensors, self.input_spec)
+        out = self.module(*args, **kwargs)
+        flat, self.record["output_spec"] = flatten(out, "output")
+        buffers = dict(self.module.named_buffers(remove_duplicate=False))
+        return (*flat, *(buffers[name] for name in self.buffer_names))
+
+
+@dataclass
+class Captured:
+    """The exported graph and what is needed to feed and read it."""
+
+    model: ir.Model
+    output_spec: Spec
+    num_outputs: int  # user outputs (the first graph outputs)
+    mutated_buffers: list[str]  # buffer names whose new values are the remaining graph outputs
+    exporter: str  # "dynamo" or "torchscript"
+    static_dims: list[dict[int, int]] = field(default_factory=list)  # per input: axis -> fixed size
+
+
+def dynamic_axes(tensor: torch.Tensor) -> list[int]:
+    """The axes exported as dynamic: batch and sequence (the first two), for every input tensor."""
+    return list(range(min(tensor.dim(), 2)))
+
+
+def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, verbose: bool = False) -> Captured:
+    flat, input_spec = flatten((tuple(args), dict(kwargs)))
+    buffer_names = [name for name, _ in module.named_buffers(remove_duplicate=False)]
+    wrapper = FlatModule(module, input_spec, buffer_names)
+    record = wrapper.record  # torch.export restores the wrapper's attributes afterwards: keep this one
+    errors = []
+    for label in _EXPORTERS:
+        try:
+            model = globals()[_EXPORTERS[label]](wrapper, flat, verbose)
+            break
+        except Exception as exc:  # noqa: BLE001 - any exporter failure: try the next, report all
+            errors.append(f"{label} failed: {type(exc).__name__}: {exc}")
+            logger.info("export: %s", errors[-1])
+    else:
+        raise ExportError(
+            "could not export the module to ONNX:\n  " + "\n  ".join(e[:2000] for e in errors)
+            + "\nSimplify the forward (data-dependent control flow, unsupported ops), or run it in PyTorch."
+        )
+    if len(errors) == 1:
+        warnings.warn(f"the dynamo exporter failed, the TorchScript exporter was used instead: {errors[0]}",
+                      UserWarning, stacklevel=3)
+    if "output_spec" not in record:
+        raise ExportError("the exporter never ran the module's forward; cannot tell its output structure")
+    return _finish(model, wrapper, record["output_spec"], flat, "dynamo" if not errors else "torchscript")
+
+
+# Tried in this order (looked up by name at call time).
+_EXPORTERS = {
+    "torch.onnx.export(dynamo=True)": "_export_dynamo",
+    "torch.onnx.export(dynamo=False)": "_export_torchscript",
+}
+
+
+def _export_dynamo(wrapper: FlatModule, flat: list[torch.Tensor], verbose: bool) -> ir.Model:
+    auto = torch.export.Dim.AUTO
+    shapes = tuple({axis: auto for axis in dynamic_axes(t)} for t in flat)
+    with _quiet(verbose):
+        program = torch.onnx.export(
+            wrapper, tuple(flat), dynamo=True, dynamic_shapes=(shapes,), optimize=False,
+            custom_translation_table=TRANSLATIONS, opset_version=OPSET, verbose=verbose,
+        )
+    return program.model
+
+
+def _export_torchscript(wrapper: FlatModule, flat: list[torch.Tensor], verbose: bool) -> ir.Model:
+    names = [f"input_{i}" for i in range(len(flat))]
+    axes = {name: {a: f"{name}_dim{a}" for a in dynamic_axes(t)} for name, t in zip(names, flat)}
+    mode = torch.onnx.TrainingMode.TRAINING if wrapper.training else torch.onnx.TrainingMode.EVAL
+    buffer = io.BytesIO()
+    with _quiet(verbose):
+        torch.onnx.export(
+            wrapper, tuple(flat), buffer, dynamo=False, input_names=names, dynamic_axes=axes,
+            training=mode, do_constant_folding=False, opset_version=OPSET, verbose=verbose,
+        )
+    proto = onnx.load_from_string(buffer.getvalue())
+    return ir.from_proto(proto)
+
+
+@contextlib.contextmanager
+def _quiet(verbose: bool):
+    if verbose:
+        yield
+        return
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _finish(model: ir.Model, wrapper: FlatModule, output_spec: Spec, flat: list[torch.Tensor],
+            exporter: str) -> Captured:
+    graph = model.graph
+    for name in list(graph.initializers):
+        if name.startswith(_PREFIX):
+            value = graph.initializers.pop(name)
+            value.name = name[len(_PREFIX):]
+            graph.initializers[value.name] = value
+    num_outputs = len(graph.outputs) - len(wrapper.buffer_names)
+    mutated = _drop_unchanged_buffers(graph, wrapper.buffer_names, num_outputs)
+    static = [
+        {axis: dim for axis, dim in enumerate(value.shape or []) if isinstance(dim, int)}
+        for value in graph.inputs
+    ]
+    if len(graph.inputs) != len(flat):
+        raise ExportError(
+            f"the exported graph has {len(graph.inputs)} inputs for {len(flat)} input tensors; an input "
+            "the module does not use may have been dropped. Remove unused tensor arguments."
+        )
+    return Captured(model, output_spec, num_outputs, mutated, exporter, static)
+
+
+def _drop_unchanged_buffers(graph: ir.Graph, buffer_names: list[str], num_outputs: int) -> list[str]:
+    """Remove buffer outputs that merely return the buffer; return the names of the mutated ones."""
+    keep, mutated = list(graph.outputs[:num_outputs]), []
+    for name, value in zip(buffer_names, graph.outputs[num_outputs:]):
+        source = value
+        while source.producer() is not None and source.producer().op_type == "Identity":
+            source = source.producer().inputs[0]
+        if source.is_initializer() or source.is_graph_input() or source.producer() is None:
+            continue
+        keep.append(value)
+        mutated.append(name)
+    graph.outputs.clear()
+    graph.outputs.extend(keep)
+    return mutated

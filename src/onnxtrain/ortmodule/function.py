@@ -1,0 +1,55 @@
+"""The ``torch.autograd.Function`` that runs the forward graph and, on backward, the backward graph.
+
+Its inputs are ``[*user input tensors, *parameters and buffers]``; the parameters are the user's own
+``torch.nn.Parameter`` objects, so autograd accumulates the gradients the backward graph returns into
+their ``.grad`` (and DDP's hooks, gradient clipping and optimizers see them as usual).
+"""
+
+from __future__ import annotations
+
+import onnxruntime as ort
+import torch
+from torch.autograd.function import once_differentiable
+
+from onnxtrain.ortmodule.graphs import SchemaGraphs, Training
+
+
+def reseed(graphs: SchemaGraphs) -> None:
+    """Draw onnxruntime's seed from torch's generator so that dropout follows ``torch.manual_seed``."""
+    if graphs.random:
+        ort.set_seed(int(torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64).item()))
+
+
+class ORTFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, graphs: SchemaGraphs, training: Training, *tensors: torch.Tensor):
+        reseed(graphs)
+        outputs = training.forward.run(tensors)
+        n_user = graphs.num_outputs
+        n_visible = n_user + len(graphs.mutated_buffers)
+        ctx.training = training
+        ctx.num_tensors = len(tensors)
+        ctx.stashed = [outputs[i] for i in training.split.stashed_outputs]
+        ctx.save_for_backward(*(tensors[j] for j in training.split.reused_inputs))
+        visible = outputs[:n_visible]
+        differentiable = set(training.differentiable_outputs)
+        ctx.mark_non_differentiable(*(t for i, t in enumerate(visible) if i not in differentiable))
+        return tuple(visible)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grad_outputs: torch.Tensor):
+        training: Training = ctx.training
+        seeds = [_seed(grad_outputs[i]) for i in training.differentiable_outputs]
+        grads = training.backward.run([*seeds, *ctx.stashed, *ctx.saved_tensors])
+        ctx.stashed = None  # free the activations as soon as backward is done
+        result: list[torch.Tensor | None] = [None] * ctx.num_tensors
+        for k, row in training.zero_rows.items():
+            grads[k][row] = 0
+        for position, grad in zip(training.wrt, grads):
+            result[position] = grad
+        return (None, None, *result)
+
+
+def _seed(grad: torch.Tensor) -> torch.Tensor:
+    return grad if grad.is_contiguous() else grad.contiguous()

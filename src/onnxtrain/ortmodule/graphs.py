@@ -1,0 +1,177 @@
+"""The graphs ORTModule runs for one input schema: an inference graph, and forward + backward graphs.
+
+Every graph takes ``[*user input tensors, *module state]`` where the state is the module's parameters and
+buffers as graph inputs (fed from the live torch tensors on each run). Outputs: the user outputs, then the
+new values of mutated buffers; the forward graph adds the values backward needs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common
+import torch
+
+from onnxtrain.autodiff.builder import is_float
+from onnxtrain.autodiff.engine import add_gradient_outputs, ir_version_for_onnxruntime
+from onnxtrain.capture import Captured
+from onnxtrain.passes import (
+    InitializersToInputsPass,
+    OptimizePass,
+    Split,
+    infer_symbolic_shapes,
+    split_forward_backward,
+)
+from onnxtrain.runtime.session import TorchSession, session_options
+from onnxtrain.utils.io import save_model_atomic
+
+logger = logging.getLogger("onnxtrain.ortmodule")
+
+RANDOM_OPS = frozenset({"Dropout", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
+                        "Bernoulli", "Multinomial"})
+
+
+@dataclass
+class Training:
+    """Forward and backward sessions and how their inputs and outputs line up with the torch side."""
+
+    forward: TorchSession
+    backward: TorchSession
+    split: Split
+    wrt: list[int]  # positions in [*inputs, *state] whose gradients backward returns, in order
+    differentiable_outputs: list[int]  # user outputs that take an output gradient, in order
+    # Embedding rows whose gradient PyTorch keeps at zero (``padding_idx``): the exported Gather forgets
+    # it, so the bridge zeroes them. Maps a position in ``wrt`` to the row.
+    zero_rows: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class SchemaGraphs:
+    """Everything built for one input schema; sessions are created on first use."""
+
+    captured: Captured
+    state_names: list[str]  # parameter and buffer names, in graph input order after the user inputs
+    num_inputs: int
+    base: onnx.ModelProto  # the exported graph with the state as inputs
+    random: bool  # has random ops: onnxruntime's seed is drawn from torch's generator on each run
+    device: torch.device
+    padding_rows: dict[str, int] = field(default_factory=dict)  # embedding weight name -> padding_idx
+    log_severity: int = 3
+    saver: Saver | None = None
+    inference: TorchSession | None = None
+    training: dict[tuple[bool, ...], Training] = field(default_factory=dict)
+
+    @property
+    def num_outputs(self) -> int:
+        return self.captured.num_outputs
+
+    @property
+    def mutated_buffers(self) -> list[str]:
+        return self.captured.mutated_buffers
+
+    def matches(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether the graph's fixed axes (the ones the exporter specialized) fit these inputs."""
+        for tensor, fixed in zip(tensors, self.captured.static_dims):
+            if any(axis >= tensor.dim() or tensor.shape[axis] != size for axis, size in fixed.items()):
+                return False
+        return True
+
+    def inference_session(self) -> TorchSession:
+        if self.inference is None:
+            self.inference = self._session(self.base)
+        return self.inference
+
+    def _session(self, proto: onnx.ModelProto) -> TorchSession:
+        return TorchSession(proto, self.device, session_options(log_severity=self.log_severity))
+
+
+def prepare(captured: Captured, state_names: list[str], device: torch.device, log_severity: int) -> SchemaGraphs:
+    model = captured.model
+    InitializersToInputsPass(state_names)(model)
+    OptimizePass()(model)
+    onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
+    proto = ir_version_for_onnxruntime(infer_symbolic_shapes(ir.to_proto(model)))
+    random = any(n.op_type in RANDOM_OPS for n in proto.graph.node)
+    num_inputs = len(proto.graph.input) - len(state_names)
+    return SchemaGraphs(captured, state_names, num_inputs, proto, random, device, log_severity)
+
+
+def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver | None = None) -> Training:
+    """Differentiate the base graph w.r.t. the inputs flagged in ``requires_grad`` and split it."""
+    model = ir.from_proto(graphs.base)
+    graph = model.graph
+    inputs = list(graph.inputs)
+    user_outputs = list(graph.outputs[: graphs.num_outputs])
+    diff_outputs = [i for i, v in enumerate(user_outputs) if is_float(v)]
+    targets = [user_outputs[i] for i in diff_outputs]
+    reachable = _reaches(graph, targets)
+    wrt = [i for i, (v, flag) in enumerate(zip(inputs, requires_grad)) if flag and is_float(v) and v in reachable]
+
+    # Internal names only need to be unique: seeds and gradients take free names.
+    taken = _names(graph)
+    seeds = [ir.Value(name=_free_grad_base(v.name, taken) + "_grad", type=v.type, shape=v.shape) for v in targets]
+    graph.inputs.extend(seeds)
+    num_forward_outputs = len(graph.outputs)
+    if wrt:
+        bases = [_free_grad_base(inputs[i].name, taken) for i in wrt]
+        add_gradient_outputs(model, [inputs[i] for i in wrt], targets, seeds, names=bases)
+    if save is not None:
+        save(model, "training")
+    split = split_forward_backward(model, num_forward_outputs, len(seeds))
+    forward = ir_version_for_onnxruntime(ir.to_proto(split.forward))
+    backward = ir_version_for_onnxruntime(ir.to_proto(split.backward))
+    if save is not None:
+        save(forward, "forward")
+        save(backward, "backward")
+    logger.info("built training graphs: %d forward nodes, %d backward nodes, %d stashed values",
+                len(forward.graph.node), len(backward.graph.node), split.num_stashed)
+    state = {graphs.num_inputs + i: name for i, name in enumerate(graphs.state_names)}
+    zero_rows = {k: graphs.padding_rows[state[pos]] for k, pos in enumerate(wrt)
+                 if state.get(pos) in graphs.padding_rows}
+    return Training(graphs._session(forward), graphs._session(backward), split, wrt, diff_outputs, zero_rows)
+
+
+def _free_grad_base(name: str, taken: set[str]) -> str:
+    """``name`` or ``name_<k>``, whichever first has a ``_grad`` name not in ``taken`` (then taken)."""
+    base, k = name, 0
+    while f"{base}_grad" in taken:
+        k += 1
+        base = f"{name}_{k}"
+    taken.add(f"{base}_grad")
+    return base
+
+
+def _names(graph: ir.Graph) -> set[str]:
+    names = {v.name for v in graph.inputs} | set(graph.initializers)
+    for node in graph:
+        names.update(o.name for o in node.outputs if o.name)
+        if node.name:
+            names.add(node.name)
+    return names
+
+
+def _reaches(graph: ir.Graph, targets: list[ir.Value]) -> set[ir.Value]:
+    """Values from which some target can be reached (over any node)."""
+    reach: set[ir.Value] = set(targets)
+    for node in reversed(list(graph)):
+        if any(o in reach for o in node.outputs):
+            reach.update(v for v in node.inputs if v is not None)
+    return reach
+
+
+class Saver:
+    """Writes graphs to ``<dir>/<prefix>_<tag>_<kind>.onnx`` for DebugOptions(save_onnx=True)."""
+
+    def __init__(self, directory: Path, prefix: str, tag: str):
+        self.directory, self.prefix, self.tag = directory, prefix, tag
+
+    def __call__(self, model: ir.Model | onnx.ModelProto, kind: str) -> Path:
+        proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
+        path = self.directory / f"{self.prefix}_{self.tag}_{kind}.onnx"
+        save_model_atomic(proto, path)
+        logger.info("saved %s", path)
+        return path

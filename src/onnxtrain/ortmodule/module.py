@@ -1,0 +1,257 @@
+"""``ORTModule``: run a ``torch.nn.Module``'s forward and backward in onnxruntime.
+
+    model = ORTModule(model)        # same parameters, same state_dict keys
+    loss = model(x, labels=y).loss  # first call exports; later calls reuse the graphs
+    loss.backward()                 # gradients land in .grad as usual
+    optimizer.step()
+
+One set of graphs is built per input *schema*: the structure of the arguments, non-tensor argument values,
+tensor dtypes, ranks, devices and ``requires_grad``, train/eval mode, and the parameters' dtypes, devices
+and ``requires_grad``. Batch and sequence lengths are
+dynamic and never cause a new export.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import OrderedDict
+
+import torch
+
+from onnxtrain.capture import capture, flatten, unflatten
+from onnxtrain.ortmodule.function import ORTFunction, reseed
+from onnxtrain.ortmodule.graphs import Saver, SchemaGraphs, build_training, prepare
+from onnxtrain.ortmodule.options import FALLBACK_ENV, DebugOptions
+
+logger = logging.getLogger("onnxtrain.ortmodule")
+
+# Attributes that live on the ORTModule itself; everything else is looked up on the wrapped module.
+_OWN = ("_cache", "_debug", "_fallback_reason", "_export_count", "_schema_ids")
+
+
+class ORTModule(torch.nn.Module):
+    """A ``torch.nn.Module`` that runs ``module`` in onnxruntime (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"ORTModule wraps a torch.nn.Module, not a {type(module).__name__}")
+        if isinstance(module, ORTModule):
+            raise TypeError("the module is already an ORTModule")
+        super().__init__()
+        self.module = module
+        self._debug = debug_options if debug_options is not None else DebugOptions()
+        self._cache: dict[tuple, list[SchemaGraphs]] = {}
+        self._schema_ids: dict[tuple, int] = {}
+        self._fallback_reason: str | None = None
+        self._export_count = 0
+        logger.setLevel(self._debug.log_level.python_level)
+
+    # -- what users see -------------------------------------------------------------------
+    @property
+    def export_count(self) -> int:
+        """How many times the module has been exported (one per input schema)."""
+        return self._export_count
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why the module runs in PyTorch instead of onnxruntime, or ``None`` if it does not."""
+        return self._fallback_reason
+
+    @property
+    def debug_options(self) -> DebugOptions:
+        return self._debug
+
+    def forward(self, *args, **kwargs):
+        if self._fallback_reason is not None:
+            return self.module(*args, **kwargs)
+        tensors, spec = flatten((args, kwargs))
+        try:
+            graphs = self._graphs_for(args, kwargs, tensors, spec)
+            training = self._training_for(graphs, tensors)
+        except Exception as exc:  # noqa: BLE001 - any export/build failure falls back (or re-raises)
+            self._fall_back(exc)
+            return self.module(*args, **kwargs)
+        state = self._state(graphs)
+        if training is None:
+            outputs = self._run_inference(graphs, tensors, state)
+        else:
+            outputs = ORTFunction.apply(graphs, training, *tensors, *state)
+        user = outputs[: graphs.num_outputs]
+        self._update_buffers(graphs, outputs[graphs.num_outputs:])
+        return unflatten(list(user), graphs.captured.output_spec)
+
+    # -- graphs ---------------------------------------------------------------------------
+    def _schema(self, spec, tensors: list[torch.Tensor]) -> tuple:
+        return (
+            spec,
+            tuple((t.dtype, t.dim(), t.device, t.requires_grad) for t in tensors),
+            self.module.training,
+            tuple((p.dtype, p.device, p.requires_grad) for p in self.module.parameters()),
+        )
+
+    def _graphs_for(self, args, kwargs, tensors, spec) -> SchemaGraphs:
+        key = self._schema(spec, tensors)
+        entries = self._cache.setdefault(key, [])
+        for entry in entries:
+            if entry.matches(tensors):
+                return entry
+        tag = f"s{self._schema_ids.setdefault(key, len(self._schema_ids))}_{len(entries)}"
+        logger.info("exporting %s for a new input schema (%s)", type(self.module).__name__, tag)
+        with _no_side_effects(self.module):
+            captured = capture(self.module, args, kwargs,
+                               verbose=self._debug.log_level <= 0)
+        self._export_count += 1
+        state_names = [n for n in self._state_names() if n in captured.model.graph.initializers]
+        device = _device_of(self.module, tensors)
+        saver = self._saver(tag)
+        if saver is not None:
+            saver(captured.model, "exported")
+        graphs = prepare(captured, state_names, device, int(self._debug.log_level))
+        graphs.padding_rows = _padding_rows(self.module)
+        graphs.saver = saver
+        if saver is not None:
+            saver(graphs.base, "inference")
+        entries.append(graphs)
+        return graphs
+
+    def _training_for(self, graphs: SchemaGraphs, tensors: list[torch.Tensor]):
+        """The training graphs if gradients are wanted (grad mode, train mode, something requires grad)."""
+        if not (torch.is_grad_enabled() and self.module.training):
+            return None
+        state = self._state(graphs)
+        flags = tuple(t.requires_grad for t in (*tensors, *state))
+        if not any(flags):
+            return None
+        training = graphs.training.get(flags)
+        if training is None:
+            training = build_training(graphs, list(flags), graphs.saver)
+            graphs.training[flags] = training
+        return training
+
+    def _state_lookup(self) -> dict[str, torch.Tensor]:
+        """Every name of every parameter and buffer, shared ones (tied weights) under each of their names."""
+        lookup = dict(self.module.named_parameters(remove_duplicate=False))
+        lookup.update(self.module.named_buffers(remove_duplicate=False))
+        return lookup
+
+    def _state_names(self) -> list[str]:
+        return list(self._state_lookup())
+
+    def _state(self, graphs: SchemaGraphs) -> list[torch.Tensor]:
+        lookup = self._state_lookup()
+        return [lookup[name] for name in graphs.state_names]
+
+    def _saver(self, tag: str) -> Saver | None:
+        if not self._debug.save_onnx:
+            return None
+        return Saver(self._debug.save_dir, self._debug.onnx_prefix, tag)
+
+    # -- running --------------------------------------------------------------------------
+    def _run_inference(self, graphs: SchemaGraphs, tensors, state) -> list[torch.Tensor]:
+        session = graphs.inference_session()
+        with torch.no_grad():
+            reseed(graphs)
+            return session.run([*tensors, *state])
+
+    def _update_buffers(self, graphs: SchemaGraphs, values) -> None:
+        if not graphs.mutated_buffers:
+            return
+        buffers = dict(self.module.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for name, value in zip(graphs.mutated_buffers, values):
+                buffers[name].copy_(value)
+
+    def _fall_back(self, exc: Exception) -> None:
+        if not self._debug.fallback:
+            raise exc
+        self._fallback_reason = f"{type(exc).__name__}: {exc}"
+        warnings.warn(
+            f"ORTModule falls back to PyTorch for {type(self.module).__name__}: {self._fallback_reason}\n"
+            f"The module now runs in PyTorch eager mode. To raise this error instead, set "
+            f"{FALLBACK_ENV}=0 or pass DebugOptions(fallback=False).",
+            UserWarning, stacklevel=3,
+        )
+
+    # -- the wrapped module's view --------------------------------------------------------
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in _OWN or name == "module":
+                raise
+            return getattr(self._modules["module"], name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A parent's load_state_dict reaches us with our own prefix: map "p.x" to "p.module.x".
+        for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + "module.")]:
+            state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_cache"] = {}
+        state["_schema_ids"] = {}
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+
+
+def _padding_rows(module: torch.nn.Module) -> dict[str, int]:
+    """``{weight name: padding_idx}`` for embeddings whose padding row PyTorch never updates."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    uses: dict[int, int] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    rows = {}
+    for m in module.modules():
+        if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None and id(m.weight) in names:
+            if uses[id(m.weight)] > 1:
+                warnings.warn(
+                    f"embedding weight {names[id(m.weight)]!r} is shared with another module and has "
+                    f"padding_idx={m.padding_idx}: under ORTModule its padding row receives the other "
+                    "module's gradient too (PyTorch: the other module's only)", UserWarning, stacklevel=4)
+                continue
+            rows[names[id(m.weight)]] = m.padding_idx % m.num_embeddings
+    return rows
+
+
+def _device_of(module: torch.nn.Module, tensors: list[torch.Tensor]) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+class _no_side_effects:
+    """Export traces the forward once; keep buffers (BatchNorm statistics) and the RNG as they were."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __enter__(self):
+        self.buffers = OrderedDict((n, b.detach().clone()) for n, b in self.module.named_buffers())
+        self.rng = torch.get_rng_state()
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for name, buf in self.module.named_buffers():
+                saved = self.buffers.get(name)
+                if saved is not None and saved.shape == buf.shape:
+                    buf.copy_(saved)
+        torch.set_rng_state(self.rng)
+        return False

@@ -1,0 +1,89 @@
+"""User-facing switches of ORTModule: :class:`DebugOptions`, :class:`LogLevel` and the environment.
+
+Environment variables (read when an ORTModule is created):
+
+- ``ONNXTRAIN_FALLBACK=0`` turns the fallback to PyTorch off: an export or graph-building error is raised
+  instead of warned about. ``DebugOptions(fallback=...)`` overrides it.
+- ``ONNXTRAIN_LOG_LEVEL=VERBOSE|INFO|WARNING|ERROR|FATAL`` sets the default log level.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FALLBACK_ENV = "ONNXTRAIN_FALLBACK"
+LOG_LEVEL_ENV = "ONNXTRAIN_LOG_LEVEL"
+_FALSE = {"0", "false", "no", "off"}
+_TRUE = {"1", "true", "yes", "on"}
+
+
+class LogLevel(enum.IntEnum):
+    """How much ORTModule, the exporter and onnxruntime say. Values are onnxruntime's severities."""
+
+    VERBOSE = 0
+    INFO = 1
+    WARNING = 2
+    ERROR = 3
+    FATAL = 4
+
+    @property
+    def python_level(self) -> int:
+        return {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR, 4: logging.CRITICAL}[
+            int(self)
+        ]
+
+
+def _env_fallback() -> bool:
+    raw = os.environ.get(FALLBACK_ENV)
+    if raw is None or raw.strip() == "":
+        return True
+    value = raw.strip().lower()
+    if value in _FALSE:
+        return False
+    if value in _TRUE:
+        return True
+    raise ValueError(f"{FALLBACK_ENV}={raw!r}: use 1 (fall back to PyTorch, the default) or 0 (raise)")
+
+
+def _env_log_level() -> LogLevel:
+    raw = os.environ.get(LOG_LEVEL_ENV)
+    if not raw:
+        return LogLevel.WARNING
+    try:
+        return LogLevel[raw.strip().upper()]
+    except KeyError:
+        raise ValueError(f"{LOG_LEVEL_ENV}={raw!r}: use one of {[m.name for m in LogLevel]}") from None
+
+
+@dataclass
+class DebugOptions:
+    """Debugging switches for :class:`ORTModule`.
+
+    ``save_onnx=True`` writes, for every input schema, the exported graph and the inference, training
+    (forward + gradients), forward and backward graphs to ``save_path`` as
+    ``<onnx_prefix>_<schema>_<kind>.onnx``. ``fallback`` (default: ``$ONNXTRAIN_FALLBACK``, else on) runs the
+    module in PyTorch, with a warning, when it cannot be exported or differentiated.
+    """
+
+    log_level: LogLevel = field(default_factory=_env_log_level)
+    save_onnx: bool = False
+    onnx_prefix: str = ""
+    save_path: str = ""
+    fallback: bool | None = None
+
+    def __post_init__(self):
+        if isinstance(self.log_level, str):
+            self.log_level = LogLevel[self.log_level.upper()]
+        self.log_level = LogLevel(self.log_level)
+        if self.save_onnx and not self.onnx_prefix:
+            raise ValueError("DebugOptions(save_onnx=True) needs an onnx_prefix naming the saved files")
+        if self.fallback is None:
+            self.fallback = _env_fallback()
+
+    @property
+    def save_dir(self) -> Path:
+        return Path(self.save_path or ".")

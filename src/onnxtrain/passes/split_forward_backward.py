@@ -1,0 +1,205 @@
+"""Split a training graph (forward nodes + gradient nodes) into a forward graph and a backward graph.
+
+The training graph takes ``[*forward inputs, *output gradients]`` and returns
+``[*forward outputs, *gradients]``. The split gives
+
+- **forward**: the forward inputs -> ``[*forward outputs, *stashed]``, where ``stashed`` are the
+  intermediate values backward reads (activations, dropout masks, saved statistics);
+- **backward**: ``[*output gradients, *stashed, *forward inputs backward reads]`` -> the gradients.
+
+Nodes that the forward outputs need run in forward; every other node that the gradients need runs in
+backward, so values that backward can compute from what it has (shapes, constants, ``1 - y*y``) are
+recomputed there rather than kept in memory. Forward inputs that backward reads (parameters, inputs)
+are not stashed: the caller passes the same tensors again. Cheap layout ops that forward applies to its
+inputs (the ``Transpose`` of a weight before ``MatMul``) are recomputed in backward too: stashing them
+would cost memory and stop onnxruntime from fusing them into the forward ``MatMul``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import onnx
+import onnx_ir as ir
+
+
+@dataclass
+class Split:
+    forward: ir.Model
+    backward: ir.Model
+    stashed_outputs: list[int]  # backward input k (after the output gradients) = forward output i
+    reused_inputs: list[int]  # then: backward input = forward graph input j
+
+    @property
+    def num_stashed(self) -> int:
+        return len(self.stashed_outputs)
+
+
+def _ancestors(roots: Iterable[ir.Value]) -> set[ir.Node]:
+    seen: set[ir.Node] = set()
+    stack = [v.producer() for v in roots if v is not None and v.producer() is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(v.producer() for v in node.inputs if v is not None and v.producer() is not None)
+    return seen
+
+
+# Ops cheap enough to redo in backward when all they read are forward inputs, initializers or constants.
+RECOMPUTE_OPS = frozenset({"Transpose", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast", "Identity",
+                           "Constant"})
+
+
+def _crossing(bwd_list, forward_nodes, fwd_input_index, seeds) -> list[ir.Value]:
+    """The values backward reads from the forward side, in first-use order."""
+    crossing: list[ir.Value] = []
+    seen: set[ir.Value] = set()
+    for node in bwd_list:
+        for v in node.inputs:
+            if v is None or v in seen or v in seeds:
+                continue
+            producer = v.producer()
+            if (producer is not None and producer in forward_nodes) or v in fwd_input_index:
+                crossing.append(v)
+                seen.add(v)
+    return crossing
+
+
+def _recompute_cheap(crossing, forward_nodes, bwd_list, leaves) -> list[ir.Node]:
+    """Clone the cheap forward chains behind ``crossing`` values into backward; rewire backward to them."""
+    memo: dict[ir.Value, bool] = {}
+
+    def cheap(v: ir.Value | None) -> bool:
+        if v is None or v in leaves:
+            return True
+        if v not in memo:
+            node = v.producer()
+            memo[v] = (node is not None and node in forward_nodes and node.op_type in RECOMPUTE_OPS
+                       and node.domain in ("", "ai.onnx") and all(cheap(i) for i in node.inputs))
+        return memo[v]
+
+    clones: dict[ir.Value, ir.Value] = {}
+    cloned: list[ir.Node] = []
+
+    def clone(v: ir.Value | None) -> ir.Value | None:
+        if v is None or v in leaves:
+            return v
+        if v not in clones:
+            node = v.producer()
+            inputs = [clone(i) for i in node.inputs]
+            attributes = [ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()]
+            copy = ir.Node(node.domain, node.op_type, inputs, attributes=attributes,
+                           num_outputs=len(node.outputs), name=f"{node.name}/recomputed")
+            for old, new in zip(node.outputs, copy.outputs):
+                new.name, new.type, new.shape = old.name, old.type, old.shape
+                clones[old] = new
+            cloned.append(copy)
+        return clones[v]
+
+    targets = [v for v in crossing if v.producer() is not None and cheap(v)]
+    for v in targets:
+        clone(v)
+    for node in bwd_list:
+        for i, v in enumerate(node.inputs):
+            if v in clones:
+                node.replace_input_with(i, clones[v])
+    return cloned
+
+
+def _fresh_copy(value: ir.Value) -> ir.Value:
+    return ir.Value(name=value.name, type=value.type, shape=value.shape, const_value=value.const_value)
+
+
+def split_forward_backward(model: ir.Model, num_forward_outputs: int, num_output_grads: int) -> Split:
+    """Split ``model`` (consumed: its nodes move into the two new models)."""
+    graph = model.graph
+    inputs = list(graph.inputs)
+    fwd_inputs, seeds = inputs[: len(inputs) - num_output_grads], inputs[len(inputs) - num_output_grads:]
+    fwd_outputs, grads = list(graph.outputs[:num_forward_outputs]), list(graph.outputs[num_forward_outputs:])
+
+    forward_nodes = _ancestors(fwd_outputs)
+    backward_nodes = _ancestors(grads) - forward_nodes
+    ordered = list(graph)
+    backward_nodes.update(n for n in ordered if n not in forward_nodes and any(o in grads for o in n.outputs))
+    fwd_list = [n for n in ordered if n in forward_nodes]
+    bwd_list = [n for n in ordered if n in backward_nodes]
+    for node in bwd_list:
+        for v in node.inputs:
+            producer = None if v is None else v.producer()
+            if producer is not None and producer not in forward_nodes and producer not in backward_nodes:
+                raise AssertionError(f"split: {v.name} is produced outside both graphs")
+
+    initializers = dict(graph.initializers)
+    graph.remove(ordered, safe=False)
+    graph.inputs.clear()
+    graph.outputs.clear()
+    graph.initializers.clear()
+
+    # What backward reads from the forward side, after moving cheap layout chains over.
+    fwd_input_index = {v: i for i, v in enumerate(fwd_inputs)}
+    leaves = set(fwd_input_index) | {v for v in initializers.values() if v.producer() is None}
+    crossing = _crossing(bwd_list, forward_nodes, fwd_input_index, seeds)
+    bwd_list = _recompute_cheap(crossing, forward_nodes, bwd_list, leaves) + bwd_list
+    backward_nodes.update(bwd_list)
+    crossing = _crossing(bwd_list, forward_nodes, fwd_input_index, seeds)
+
+    stashed = [v for v in crossing if v not in fwd_input_index]
+    reused = [v for v in crossing if v in fwd_input_index]
+    fwd_out_all = list(fwd_outputs)
+    stashed_outputs = []
+    for v in stashed:
+        if v not in fwd_out_all:
+            fwd_out_all.append(v)
+        stashed_outputs.append(fwd_out_all.index(v))
+
+    # Backward sees copies of the crossing values; initializers it reads get their own copies too.
+    replacements = {v: _fresh_copy(v) for v in crossing}
+    bwd_inits = {}
+    for node in bwd_list:
+        for i, v in enumerate(node.inputs):
+            if v is None:
+                continue
+            if v in replacements:
+                node.replace_input_with(i, replacements[v])
+            elif v.name in initializers and initializers[v.name] is v and v.producer() is None and v not in seeds:
+                bwd_inits.setdefault(v.name, _fresh_copy(v))
+                node.replace_input_with(i, bwd_inits[v.name])
+
+    for g in grads:
+        if g.producer() is None or g.producer() not in backward_nodes:
+            raise ValueError(
+                f"split: gradient {g.name!r} is not computed by a backward node (it is a forward value or an "
+                "output gradient itself); give it an Identity node first"
+            )
+
+    opsets = dict(graph.opset_imports)
+    fwd_inits = [v for name, v in initializers.items() if any(True for _ in v.uses())]
+    fwd_graph = ir.Graph(fwd_inputs, fwd_out_all, nodes=fwd_list, initializers=fwd_inits,
+                         opset_imports=opsets, name="forward")
+    bwd_inputs = list(seeds) + [replacements[v] for v in stashed] + [replacements[v] for v in reused]
+    bwd_graph = ir.Graph(bwd_inputs, grads, nodes=bwd_list, initializers=list(bwd_inits.values()),
+                         opset_imports=opsets, name="backward")
+    forward = ir.Model(fwd_graph, ir_version=model.ir_version, producer_name="onnxtrain")
+    backward = ir.Model(bwd_graph, ir_version=model.ir_version, producer_name="onnxtrain")
+    _fill_missing_types(forward, [replacements[v] for v in stashed], stashed_outputs)
+    return Split(forward, backward, stashed_outputs, [fwd_input_index[v] for v in reused])
+
+
+def _fill_missing_types(forward: ir.Model, backward_inputs: Sequence[ir.Value], indices: Sequence[int]) -> None:
+    """Stashed values created by gradient rules (e.g. a Dropout mask) may lack a type; infer it."""
+    if all(v.type is not None for v in backward_inputs):
+        return
+    proto = onnx.shape_inference.infer_shapes(ir.to_proto(forward))
+    types = {vi.name: vi.type for vi in [*proto.graph.value_info, *proto.graph.output]}
+    outputs = forward.graph.outputs
+    for v, i in zip(backward_inputs, indices):
+        if v.type is not None:
+            continue
+        inferred = types.get(outputs[i].name)
+        if inferred is None or not inferred.HasField("tensor_type") or not inferred.tensor_type.elem_type:
+            raise ValueError(f"split: cannot infer the type of the stashed value {v.name!r}")
+        dtype = ir.DataType(inferred.tensor_type.elem_type)
+        v.type = outputs[i].type = ir.TensorType(dtype)

@@ -1,0 +1,1 @@
+"""onnxruntime sessions, IO binding, and zero-copy OrtValue <-> torch conversion (DLPack)."""

@@ -1,0 +1,77 @@
+"""An onnxruntime ``InferenceSession`` that takes and returns torch tensors without copies.
+
+Inputs are bound as OrtValues that share the tensors' memory (DLPack); outputs are allocated by
+onnxruntime on the inputs' device and handed back as torch tensors sharing that memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import onnx
+import onnxruntime as ort
+import torch
+
+from onnxtrain.runtime.dlpack import to_ortvalue, to_torch
+
+logger = logging.getLogger("onnxtrain.runtime")
+
+
+def providers_for(device: torch.device) -> list:
+    """Execution providers for tensors on ``device``: CUDA where the tensors live on a GPU, else CPU."""
+    available = ort.get_available_providers()
+    if device.type == "cuda":
+        if "CUDAExecutionProvider" not in available:
+            raise RuntimeError(
+                "the module is on a CUDA device but onnxruntime has no CUDAExecutionProvider; install "
+                "onnxruntime-gpu or move the module to the CPU"
+            )
+        return [("CUDAExecutionProvider", {"device_id": device.index or 0}), "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def session_options(threads: int | None = None, log_severity: int = 3,
+                    optimized_model_path: str | None = None) -> ort.SessionOptions:
+    """Options for training graphs: as many intra-op threads as torch uses, sequential execution."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads if threads is not None else torch.get_num_threads()
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = log_severity
+    # onnxruntime's idle worker threads spin by default, which starves torch's own threads (the optimizer
+    # step, the loss) running between two sessions on the same cores.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if optimized_model_path:
+        options.optimized_model_filepath = optimized_model_path
+    return options
+
+
+class TorchSession:
+    """Run an ONNX model on torch tensors: ``outputs = session.run(inputs)`` in graph input order."""
+
+    def __init__(self, model: onnx.ModelProto, device: torch.device, options: ort.SessionOptions | None = None):
+        self.device = torch.device(device)
+        self._session = ort.InferenceSession(
+            model.SerializeToString(), sess_options=options or session_options(),
+            providers=providers_for(self.device),
+        )
+        self.input_names = [i.name for i in self._session.get_inputs()]
+        self.output_names = [o.name for o in self._session.get_outputs()]
+        self._ort_device = "cuda" if self.device.type == "cuda" else "cpu"
+        self._device_id = self.device.index or 0
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if len(inputs) != len(self.input_names):
+            raise ValueError(f"the graph takes {len(self.input_names)} inputs, got {len(inputs)}")
+        binding = self._session.io_binding()
+        keep = []  # the OrtValues must outlive the run
+        for name, tensor in zip(self.input_names, inputs):
+            value = to_ortvalue(tensor)
+            keep.append(value)
+            binding.bind_ortvalue_input(name, value)
+        for name in self.output_names:
+            binding.bind_output(name, self._ort_device, self._device_id)
+        self._session.run_with_iobinding(binding)
+        return [to_torch(v) for v in binding.get_outputs()]

@@ -1,0 +1,118 @@
+"""Fallback to PyTorch (warned once, with the reason), the switch that turns it off, and DebugOptions."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import onnx
+import pytest
+import torch
+
+from onnxtrain import DebugOptions, LogLevel, ORTModule
+from onnxtrain.autodiff import UnsupportedOpError
+from onnxtrain.autodiff.rules import REGISTRY
+from onnxtrain.capture import export as capture_export
+from tests.ortmodule import models
+
+
+class WithDeterminant(torch.nn.Module):
+    """``torch.linalg.det`` exports to ONNX ``Det``, which has no gradient rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 9)
+
+    def forward(self, x):
+        return torch.linalg.det(self.fc(x).reshape(-1, 3, 3)).sum()
+
+
+def test_the_module_chosen_needs_an_op_without_rule():
+    assert REGISTRY.lookup("", "Det", 18) is None
+
+
+def test_missing_rule_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    torch.manual_seed(0)
+    reference = WithDeterminant()
+    model = ORTModule(copy.deepcopy(reference))
+    x = torch.randn(4, 3)
+    with pytest.warns(UserWarning, match="falls back to PyTorch") as caught:
+        out = model(x)
+    message = str(caught[0].message)
+    assert "Det" in message and "node" in message and "ONNXTRAIN_FALLBACK=0" in message
+    out.backward()
+    reference(x).backward()
+    torch.testing.assert_close(model.module.fc.weight.grad, reference.fc.weight.grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once only
+        model(x)
+    assert "Det" in model.fallback_reason
+
+
+def test_fallback_off_raises_through_env_and_options(monkeypatch):
+    x = torch.randn(4, 3)
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "0")
+    with pytest.raises(UnsupportedOpError, match="Det"):
+        ORTModule(WithDeterminant())(x)
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    with pytest.raises(UnsupportedOpError, match="Det"):
+        ORTModule(WithDeterminant(), DebugOptions(fallback=False))(x)
+
+
+def test_export_error_falls_back(monkeypatch):
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+
+    class Unexportable(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.fc(torch.from_numpy(x.detach().numpy() * 2))  # leaves torch: no exporter follows
+
+    model = ORTModule(Unexportable())
+    with pytest.warns(UserWarning, match="falls back to PyTorch.*ExportError"):
+        out = model(torch.ones(1, 2))
+    assert out.shape == (1, 2)
+
+
+def test_torchscript_exporter_is_tried_when_dynamo_fails(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("dynamo is broken here")
+
+    monkeypatch.setattr(capture_export, "_export_dynamo", broken)
+    torch.manual_seed(0)
+    reference = models.MLP()
+    model = ORTModule(copy.deepcopy(reference))
+    x = torch.randn(5, 16)
+    with pytest.warns(UserWarning, match="TorchScript exporter was used.*dynamo is broken here"):
+        out = model(x)
+    out.sum().backward()
+    reference(x).sum().backward()
+    torch.testing.assert_close(out, reference(x), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(model.module.fc1.weight.grad, reference.fc1.weight.grad, rtol=1e-4, atol=1e-6)
+    model(torch.randn(9, 16))  # the TorchScript graph has dynamic axes too
+    assert model.export_count == 1
+
+
+def test_save_onnx_writes_every_graph(tmp_path):
+    options = DebugOptions(log_level=LogLevel.WARNING, save_onnx=True, onnx_prefix="mlp", save_path=str(tmp_path))
+    model = ORTModule(models.MLP(), options)
+    model(torch.randn(3, 16)).sum().backward()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    for kind in ("exported", "inference", "training", "forward", "backward"):
+        assert any(n.startswith("mlp_") and n.endswith(f"_{kind}.onnx") for n in names), (kind, names)
+    for path in tmp_path.iterdir():
+        onnx.checker.check_model(onnx.load(str(path)))
+
+
+def test_save_onnx_needs_a_prefix():
+    with pytest.raises(ValueError, match="onnx_prefix"):
+        DebugOptions(save_onnx=True)
+
+
+def test_bad_fallback_env_value_is_explained(monkeypatch):
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "maybe")
+    with pytest.raises(ValueError, match="ONNXTRAIN_FALLBACK"):
+        DebugOptions()

@@ -1,0 +1,242 @@
+"""ORTModule behaviour a user relies on, each checked against PyTorch eager."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from onnxtrain import ORTModule
+from tests.ortmodule import models
+from tests.ortmodule.conftest import run_or_skip_missing_rule
+
+
+def _pair(make=models.MLP, seed=0):
+    torch.manual_seed(seed)
+    reference = make()
+    return reference, ORTModule(copy.deepcopy(reference))
+
+
+def test_dynamic_batch_and_sequence_need_no_new_export():
+    reference, model = _pair(models.bert)
+    reference.eval()
+    model.eval()
+    for batch in (2, 3, 8):
+        for seq in (16, 40):
+            inputs = models.text_batch(batch, seq, classify=True)
+            got = model(**inputs)
+            want = reference(**inputs)
+            torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-5)
+    assert model.export_count == 1
+
+
+def test_training_with_changing_shapes_matches_eager_without_new_export():
+    reference, model = _pair(models.gpt2)
+    for batch, seq in ((2, 16), (3, 40), (8, 16), (1, 24)):
+        inputs = models.text_batch(batch, seq)
+        for m in (reference, model.module):
+            m.zero_grad()
+        got = model(**inputs).loss
+        got.backward()
+        want = reference(**inputs).loss
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6, msg=f"{name} at {batch}x{seq}")
+    assert model.export_count == 1
+
+
+def test_new_export_only_for_a_new_schema():
+    reference, model = _pair()
+    x = torch.randn(4, 16)
+    model(x)
+    model(torch.randn(9, 16))
+    assert model.export_count == 1
+    model(x, labels=torch.randint(0, 4, (4,)))  # new input names
+    assert model.export_count == 2
+    model.eval()
+    model(x)  # eval mode is part of the schema
+    assert model.export_count == 3
+    model.train()
+    model(x.double().float())  # same schema again
+    assert model.export_count == 3
+    model.double()  # new parameter dtype: a new graph, and the right result
+    torch.testing.assert_close(model(x.double()), reference.double()(x.double()))
+    assert model.export_count == 4
+
+
+def test_structured_inputs_and_outputs_keep_their_structure():
+    class Structured(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, pair, scale: float, extra=None, double: bool = False):
+            a, b = pair
+            h = self.fc(a) * scale + b
+            if double:
+                h = h * 2
+            out = {"h": h, "parts": [h.sum(), (h * h).mean()]}
+            if extra is not None:
+                out["extra"] = extra + 1
+            return out
+
+    reference, model = _pair(Structured)
+    pair = (torch.randn(3, 4), torch.randn(3, 4))
+    for kwargs in ({}, {"double": True}, {"extra": torch.ones(2)}):
+        got = model(pair, 0.5, **kwargs)
+        want = reference(pair, 0.5, **kwargs)
+        assert got.keys() == want.keys()
+        assert isinstance(got["parts"], list) and len(got["parts"]) == 2
+        torch.testing.assert_close(got, want)
+    assert model.export_count == 3  # bool and None arguments are part of the schema
+
+
+def test_model_output_comes_back_as_model_output():
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    reference, model = _pair(models.bert)
+    inputs = models.text_batch(2, 16, classify=True)
+    got = model(**inputs)
+    assert isinstance(got, SequenceClassifierOutput)
+    assert got.keys() == reference(**inputs).keys()
+    assert got.loss.requires_grad and got.loss.grad_fn is not None
+
+
+def test_inputs_that_require_grad_receive_gradients():
+    reference, model = _pair()
+    x = torch.randn(5, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    model(x).pow(2).sum().backward()
+    reference(x_ref).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_frozen_parameters_get_no_gradient():
+    reference, model = _pair()
+    for m in (reference, model.module):
+        m.fc1.requires_grad_(False)
+    x = torch.randn(5, 16)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    assert model.module.fc1.weight.grad is None
+    torch.testing.assert_close(model.module.fc2.weight.grad, reference.fc2.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_no_grad_and_eval_run_the_forward_graph_only():
+    reference, model = _pair()
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        out = model(x)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, reference(x).detach(), rtol=1e-4, atol=1e-6)
+    model.eval()
+    assert not model(x).requires_grad
+    graphs = [g for entries in model._cache.values() for g in entries]
+    assert all(not g.training for g in graphs)  # no backward graph was ever built
+
+
+def test_batchnorm_statistics_update_in_train_mode_only():
+    reference, model = _pair(models.CNN)
+    batch = models.image_batch(6)
+    run_or_skip_missing_rule(lambda: model(**batch).backward())
+    reference(**batch).backward()
+    for (name, b), c in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=name)
+    model.eval()
+    reference.eval()
+    before = [b.clone() for b in model.buffers()]
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch), reference(**batch), rtol=1e-4, atol=1e-5)
+    for b, c in zip(model.buffers(), before):
+        assert torch.equal(b, c)
+
+
+def test_dropout_bert_trains_and_follows_the_seed():
+    def run(seed):
+        torch.manual_seed(0)
+        model = ORTModule(models.bert(dropout=0.1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        batch = models.text_batch(8, 16, classify=True, generator=torch.Generator().manual_seed(5))
+        torch.manual_seed(seed)
+        losses = []
+        for _ in range(15):
+            optimizer.zero_grad()
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses
+
+    first, again, other = run(1), run(1), run(2)
+    assert first == again
+    assert first != other  # the masks do depend on the seed
+    assert sum(first[-3:]) / 3 < 0.7 * sum(first[:3]) / 3, first
+
+
+def test_dropout_masks_differ_between_steps_and_match_eager_statistics():
+    class Drop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return torch.nn.functional.dropout(x * self.scale, 0.5, self.training)
+
+    model = ORTModule(Drop())
+    x = torch.ones(64, 64)
+    torch.manual_seed(0)
+    a, b = model(x), model(x)
+    assert not torch.equal(a, b)
+    kept = (a != 0).float().mean().item()
+    assert 0.45 < kept < 0.55
+    assert torch.all((a == 0) | (a == 2.0))
+    a.sum().backward()
+    assert model.scale.grad.item() == pytest.approx(a.sum().item(), rel=1e-5)
+
+
+def test_module_view_state_dict_and_attributes():
+    reference, model = _pair()
+    assert model.module is not reference and isinstance(model.module, models.MLP)
+    assert list(model.state_dict()) == list(reference.state_dict())
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    assert model.fc1 is model.module.fc1  # attribute access reaches the wrapped module
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(3, 16)
+    model(x)
+    with torch.no_grad():
+        model.module.fc1.weight.mul_(2)  # in place, as an optimizer does: seen without a new export
+        reference.fc1.weight.mul_(2)
+    torch.testing.assert_close(model(x), reference(x), rtol=1e-4, atol=1e-6)
+    model.to(torch.float32)
+    assert model.export_count == 1
+
+    parent = torch.nn.Sequential(model)  # as a submodule: keys and loading stay consistent
+    state = parent.state_dict()
+    assert "0.fc1.weight" in state
+    parent.load_state_dict(state)
+
+
+def test_deepcopy_and_pickle():
+    _, model = _pair()
+    x = torch.randn(3, 16)
+    want = model(x)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert isinstance(clone, ORTModule)
+        torch.testing.assert_close(clone(x), want)
+        assert clone.module.fc1.weight is not model.module.fc1.weight
+
+
+def test_gradient_accumulation_and_clipping_work_unchanged():
+    reference, model = _pair()
+    batches = [models.mlp_batch(4) for _ in range(3)]
+    for m in (reference, model):
+        for batch in batches:
+            models.loss_of(m(**batch)).backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=name)

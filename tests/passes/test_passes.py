@@ -1,0 +1,115 @@
+"""Each pass is checked by running onnxruntime on the graph before and after it."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from onnxtrain.autodiff import gradient_model
+from onnxtrain.passes import (
+    InitializersToInputsPass,
+    OptimizePass,
+    split_forward_backward,
+)
+
+RNG = np.random.default_rng(0)
+
+
+def _run(model, feeds):
+    proto = model if isinstance(model, onnx.ModelProto) else ir.to_proto(model)
+    proto.ir_version = min(proto.ir_version, 10)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    return session.run(None, dict(zip(names, feeds)) if isinstance(feeds, list) else feeds)
+
+
+def _mlp(weights_as_initializers: bool) -> onnx.ModelProto:
+    w1 = RNG.standard_normal((4, 8)).astype(np.float32)
+    w2 = RNG.standard_normal((8, 3)).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"]),
+        helper.make_node("Tanh", ["h"], ["t"]),
+        helper.make_node("MatMul", ["t", "w2"], ["z"]),
+        helper.make_node("Softmax", ["z"], ["y"], axis=-1),
+    ]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])]
+    inits = [onnx.numpy_helper.from_array(w1, "w1"), onnx.numpy_helper.from_array(w2, "w2")]
+    if not weights_as_initializers:
+        inits = []
+        inputs += [helper.make_tensor_value_info("w1", TensorProto.FLOAT, [4, 8]),
+                   helper.make_tensor_value_info("w2", TensorProto.FLOAT, [8, 3])]
+    graph = helper.make_graph(nodes, "mlp", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    return model
+
+
+def test_initializers_to_inputs_keeps_outputs_and_feeds_weights():
+    proto = _mlp(weights_as_initializers=True)
+    x = RNG.standard_normal((5, 4)).astype(np.float32)
+    before = _run(proto, {"x": x})[0]
+    model = ir.from_proto(proto)
+    w1 = model.graph.initializers["w1"].const_value.numpy().copy()
+    w2 = model.graph.initializers["w2"].const_value.numpy().copy()
+    result = InitializersToInputsPass(["w1", "w2"])(model)
+    assert result.modified and not model.graph.initializers
+    assert [v.name for v in model.graph.inputs] == ["x", "w1", "w2"]
+    np.testing.assert_allclose(_run(model, [x, w1, w2])[0], before, rtol=1e-6)
+    np.testing.assert_allclose(_run(model, [x, 2 * w1, w2])[0], _run(_scaled(proto), {"x": x})[0], rtol=1e-5)
+
+
+def _scaled(proto):
+    scaled = onnx.ModelProto()
+    scaled.CopyFrom(proto)
+    w1 = scaled.graph.initializer[0]
+    w1.CopyFrom(onnx.numpy_helper.from_array(2 * onnx.numpy_helper.to_array(w1), "w1"))
+    return scaled
+
+
+def test_optimize_folds_shape_computations_and_keeps_outputs():
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Constant", [], ["one"], value=helper.make_tensor("one", TensorProto.INT64, [1], [1])),
+        helper.make_node("Constant", [], ["two"], value=helper.make_tensor("two", TensorProto.INT64, [1], [2])),
+        helper.make_node("Slice", ["s", "one", "two"], ["d"]),
+        helper.make_node("Concat", ["minus_one", "d"], ["shape"], axis=0),
+        helper.make_node("Reshape", ["x", "shape"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=[helper.make_tensor("minus_one", TensorProto.INT64, [1], [-1])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    proto.ir_version = 9
+    x = RNG.standard_normal((3, 6)).astype(np.float32)
+    model = ir.from_proto(proto)
+    OptimizePass()(model)
+    assert "Shape" not in {n.op_type for n in model.graph}
+    np.testing.assert_allclose(_run(model, {"x": x})[0], _run(proto, {"x": x})[0])
+
+
+def test_split_forward_backward_matches_the_training_graph():
+    training = gradient_model(_mlp(weights_as_initializers=False), wrt=["x", "w1", "w2"])
+    x = RNG.standard_normal((5, 4)).astype(np.float32)
+    w1 = RNG.standard_normal((4, 8)).astype(np.float32)
+    w2 = RNG.standard_normal((8, 3)).astype(np.float32)
+    dy = RNG.standard_normal((5, 3)).astype(np.float32)
+    want = _run(training, [x, w1, w2, dy])
+
+    split = split_forward_backward(ir.from_proto(training), num_forward_outputs=1, num_output_grads=1)
+    forward_inputs = [x, w1, w2]
+    forward_outputs = _run(split.forward, forward_inputs)
+    np.testing.assert_allclose(forward_outputs[0], want[0], rtol=1e-6)
+    assert split.num_stashed >= 1  # tanh and softmax outputs are kept, not recomputed from x
+    backward_inputs = ([dy] + [forward_outputs[i] for i in split.stashed_outputs]
+                       + [forward_inputs[j] for j in split.reused_inputs])
+    grads = _run(split.backward, backward_inputs)
+    assert len(grads) == 3
+    for got, expected in zip(grads, want[1:]):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    backward_ops = {n.op_type for n in split.backward.graph}
+    assert "Tanh" not in backward_ops and "Softmax" not in backward_ops  # nothing forward is recomputed
