@@ -10,18 +10,39 @@ broadcasts between them as equalities. A failure leaves the model as it was.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import tempfile
+import threading
 
 import onnx
 
 logger = logging.getLogger("onnxtrain.passes")
 
 
+_CWD_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _in_scratch_directory():
+    """onnxruntime's tool saves a debug model into the working directory when inference is incomplete
+    (and has no switch for it): run it in a temporary directory so nothing lands in the user's."""
+    with _CWD_LOCK, tempfile.TemporaryDirectory(prefix="onnxtrain_shapes_") as scratch:
+        cwd = os.getcwd()
+        os.chdir(scratch)
+        try:
+            yield
+        finally:
+            os.chdir(cwd)
+
+
 def infer_symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     try:
-        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=False)
+        with _in_scratch_directory():
+            inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=False)
     except Exception as exc:  # noqa: BLE001 - the inference is an optimization only
         logger.info("symbolic shape inference failed, shapes stay as they are: %s", exc)
         return model
