@@ -76,7 +76,21 @@ def wrap(model, mode: str):
     raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
 
 
-def worker(workload: str, mode: str, steps: int, warmup: int, threads: int) -> dict:
+def make_optimizer(params, mode: str, kind: str):
+    """AdamW (lr 1e-4). ``kind="fused"``: torch's one-pass kernel for eager and compile, onnxtrain's
+    FusedAdam (which uses the same kernel) for ORTModule, so no side gets an optimizer the other lacks."""
+    import torch
+
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4)
+    if mode == "ortmodule":
+        from onnxtrain.optim import FusedAdam
+
+        return FusedAdam(params, lr=1e-4, eps=1e-8, weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+
+def worker(workload: str, mode: str, steps: int, warmup: int, threads: int, optimizer_kind: str = "adamw") -> dict:
     import psutil
     import torch
 
@@ -84,7 +98,7 @@ def worker(workload: str, mode: str, steps: int, warmup: int, threads: int) -> d
     model, loss_fn = make_workload(workload)
     model.train()
     runner = wrap(model, mode)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = make_optimizer(model.parameters(), mode, optimizer_kind)
 
     def step():
         start = time.perf_counter()
@@ -115,7 +129,8 @@ def _peak_rss() -> int:
 # -- driver ---------------------------------------------------------------------------------------
 def run_one(workload: str, mode: str, args) -> dict:
     command = [sys.executable, __file__, "--worker", workload, mode, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--threads", str(args.threads)]
+               "--warmup", str(args.warmup), "--threads", str(args.threads),
+               "--optimizer", getattr(args, "optimizer", "adamw")]
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -150,11 +165,13 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed steps after warm-up (at least 20)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--optimizer", choices=["adamw", "fused"], default="adamw",
+                        help="adamw: torch.optim.AdamW everywhere; fused: one-pass AdamW kernels everywhere")
     parser.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.steps, args.warmup, args.threads)))
+        print(json.dumps(worker(*args.worker, args.steps, args.warmup, args.threads, args.optimizer)))
         return 0
     if args.steps < 20:
         parser.error("--steps must be at least 20")

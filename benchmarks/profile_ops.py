@@ -26,7 +26,8 @@ import ondevice_bench as bench  # noqa: E402  (models, batches and artifact gene
 def aggregate(profile_file: str) -> tuple[collections.Counter, collections.Counter, int]:
     """Kernel microseconds per op type and per node, and the number of runs, from a profile file."""
     with open(profile_file) as f:
-        events = json.load(f)
+        text = f.read()
+    events = json.loads(text) if text.strip() else []  # a session still open has written nothing yet
     by_op: collections.Counter = collections.Counter()
     by_node: collections.Counter = collections.Counter()
     runs = 0
