@@ -21,12 +21,12 @@ from onnxtrain import ORTModule
 
 
 def make_model() -> GPT2LMHeadModel:
-    config = GPT2Config(vocab_size=512, n_positions=128, n_embd=128, n_layer=2, n_head=4, use_cache=False,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(vocab_size=512, n_positions=128, n_embd=256, n_layer=4, n_head=4, use_cache=False,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
 
 
-def batches(steps: int, batch: int = 8, seq: int = 64):
+def batches(steps: int, batch: int = 8, seq: int = 128):
     generator = torch.Generator().manual_seed(0)
     for _ in range(steps):
         start = torch.randint(0, 512, (batch, 1), generator=generator)
