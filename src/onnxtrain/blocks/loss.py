@@ -109,8 +109,8 @@ class _SingleOutputLoss(Loss):
             raise TypeError(f"{loss} needs a floating-point model output; {output.name!r} has type {output.dtype}")
 
 
-class MSELoss(_SingleOutputLoss):
-    """``mean((output - target)**2)``; the extra input ``target`` has the output's type and shape."""
+class _TargetLoss(_SingleOutputLoss):
+    """A loss of the output against one extra input, ``target``, of the output's type and shape."""
 
     def __init__(self, reduction: str = "mean", target_name: str = "target"):
         super().__init__(reduction)
@@ -118,6 +118,10 @@ class MSELoss(_SingleOutputLoss):
 
     def inputs(self, output):
         return [LossInput.like(output, self.target_name)]
+
+
+class MSELoss(_TargetLoss):
+    """``mean((output - target)**2)``; the extra input ``target`` has the output's type and shape."""
 
     def build(self, op, output, target):
         self._require_float(output, "MSELoss")
@@ -125,15 +129,8 @@ class MSELoss(_SingleOutputLoss):
         return self._reduce(op, op.Mul(diff, diff))
 
 
-class L1Loss(_SingleOutputLoss):
+class L1Loss(_TargetLoss):
     """``mean(|output - target|)``; the extra input ``target`` has the output's type and shape."""
-
-    def __init__(self, reduction: str = "mean", target_name: str = "target"):
-        super().__init__(reduction)
-        self.target_name = target_name
-
-    def inputs(self, output):
-        return [LossInput.like(output, self.target_name)]
 
     def build(self, op, output, target):
         self._require_float(output, "L1Loss")
@@ -170,20 +167,16 @@ class CrossEntropyLoss(_SingleOutputLoss):
                                           ignore_index=self.ignore_index)
 
 
-class BCEWithLogitsLoss(_SingleOutputLoss):
+class BCEWithLogitsLoss(_TargetLoss):
     """``torch.nn.BCEWithLogitsLoss``: sigmoid and binary cross-entropy in one, numerically stable form.
 
     ``l = (1 - t) * x + (1 + (pos_weight - 1) * t) * (log(1 + exp(-|x|)) + max(-x, 0))``, times ``weight``.
     """
 
     def __init__(self, weight=None, reduction: str = "mean", pos_weight=None, target_name: str = "target"):
-        super().__init__(reduction)
+        super().__init__(reduction, target_name)
         self.weight = None if weight is None else np.asarray(weight)
         self.pos_weight = None if pos_weight is None else np.asarray(pos_weight)
-        self.target_name = target_name
-
-    def inputs(self, output):
-        return [LossInput.like(output, self.target_name)]
 
     def build(self, op, x, t):
         self._require_float(x, "BCEWithLogitsLoss")
