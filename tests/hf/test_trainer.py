@@ -106,7 +106,6 @@ def test_bert_train_and_evaluate_match_plain_trainer(tmp_path):
                                   "sequence-classification", accuracy, full=False)
 
 
-@pytest.mark.slow
 def test_bert_sequence_classification(tmp_path):
     dataset = classification_dataset()
     trainer = _check_train_eval_save_resume(tmp_path, "BERT", bert_classifier, dataset,
@@ -134,7 +133,6 @@ def _argmax_logits(logits, labels):
     return logits.argmax(-1)
 
 
-@pytest.mark.slow
 def test_gpt2_causal_lm(tmp_path):
     _check_train_eval_save_resume(tmp_path, "GPT-2", gpt2_lm, lm_dataset(), "causal-lm", _next_token_accuracy,
                                   preprocess_logits_for_metrics=_argmax_logits)
@@ -192,7 +190,6 @@ def _torchrun(script_args):
     assert process.returncode == 0, f"torchrun failed ({process.returncode}):\n{output[-8000:]}"
 
 
-@pytest.mark.slow
 def test_torchrun_data_parallel_matches_plain_trainer(tmp_path):
     require_ortmodule()
     _torchrun(["ort", str(tmp_path / "ort.json")])
