@@ -68,11 +68,11 @@ class ORTModule(torch.nn.Module):
         tensors, spec = flatten((args, kwargs))
         try:
             graphs = self._graphs_for(args, kwargs, tensors, spec)
-            training = self._training_for(graphs, tensors)
+            state = self._state(graphs)
+            training = self._training_for(graphs, tensors, state)
         except Exception as exc:  # noqa: BLE001 - any export/build failure falls back (or re-raises)
             self._fall_back(exc)
             return self.module(*args, **kwargs)
-        state = self._state(graphs)
         if training is None:
             outputs = self._run_inference(graphs, tensors, state)
         else:
@@ -115,11 +115,10 @@ class ORTModule(torch.nn.Module):
         entries.append(graphs)
         return graphs
 
-    def _training_for(self, graphs: SchemaGraphs, tensors: list[torch.Tensor]):
+    def _training_for(self, graphs: SchemaGraphs, tensors: list[torch.Tensor], state: list[torch.Tensor]):
         """The training graphs if gradients are wanted (grad mode, train mode, something requires grad)."""
         if not (torch.is_grad_enabled() and self.module.training):
             return None
-        state = self._state(graphs)
         flags = tuple(t.requires_grad for t in (*tensors, *state))
         if not any(flags):
             return None
