@@ -1,9 +1,11 @@
 """FusedAdam: Adam / AdamW over all parameters of a group at once.
 
 ONNX Runtime Training shipped ``onnxruntime.training.optim.FusedAdam``, a CUDA extension adapted from
-DeepSpeed and apex. This is the same optimizer (same signature, same three weight-decay modes) written with
-PyTorch's multi-tensor ``torch._foreach_*`` ops: each step is a handful of kernel launches per
-(device, dtype) bucket rather than a Python loop over parameters, and it runs on CPU and CUDA alike.
+DeepSpeed and apex. This is the same optimizer (same signature, same three weight-decay modes) without an extension: the
+default ADAMW_TORCH mode (with bias correction) runs PyTorch's one-pass AdamW kernel
+(``torch._fused_adamw_``, one read and write of each tensor); the other modes use PyTorch's multi-tensor
+``torch._foreach_*`` ops, a handful of kernel launches per (device, dtype) bucket. No Python loop over
+parameters either way, on CPU and CUDA alike.
 
 The update for one parameter ``p`` with gradient ``g`` at step ``t`` (``bc1 = 1 - beta1**t`` and
 ``bc2 = 1 - beta2**t``, both 1 when ``bias_correction=False``)::
