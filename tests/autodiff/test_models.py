@@ -185,3 +185,26 @@ def test_whisper_speech_to_text_with_conv1d_stem():
     labels = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(4))
     check_parity(transformers.WhisperForConditionalGeneration(config), True, features, labels,
                  input_name="input_features")
+
+
+def test_encoder_decoder_cnn_with_upsampling():
+    """A UNet-like net: pooling down, nearest and bilinear Resize up (F.interpolate's exports)."""
+    torch.manual_seed(0)
+    nn = torch.nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.down = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+            self.up_nearest = nn.Upsample(scale_factor=2, mode="nearest")
+            self.up_bilinear = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
+            self.mix = nn.Conv2d(8, 4, 3, padding=1)
+            self.head = nn.Linear(4, 5)
+
+        def forward(self, x):
+            h = self.down(x)
+            h = self.up_nearest(h) + self.up_bilinear(h)
+            return self.head(self.mix(h).mean(dim=(2, 3)))
+
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(5))
+    check_parity(Net(), False, x, torch.tensor([1, 4]))

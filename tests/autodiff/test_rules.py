@@ -3,11 +3,11 @@
 import pytest
 
 from onnxtrain.autodiff.rules import REGISTRY
-from tests.autodiff.cases import elementwise, linalg, nn, reduce, rnn, shape
+from tests.autodiff.cases import elementwise, linalg, nn, reduce, resize, rnn, shape
 from tests.autodiff.gradcheck import check_case
 
 CASES = [*elementwise.CASES, *linalg.CASES, *reduce.CASES, *shape.CASES, *nn.CASES, *nn.STAGED_CASES,
-         *rnn.CASES]
+         *rnn.CASES, *resize.CASES]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -6,7 +6,8 @@ for it to ``tests/autodiff/test_rules.py``. A new family module must be listed h
 """
 
 from onnxtrain.autodiff.registry import Registry
-from onnxtrain.autodiff.rules import elementwise, linalg, nn, reduce, rnn, shape
+from onnxtrain.autodiff.rules import elementwise, linalg, nn, reduce, resize, rnn, shape
 
-TABLES = (elementwise.rules, linalg.rules, reduce.rules, shape.rules, nn.rules, nn.staged_rules, rnn.rules)
+TABLES = (elementwise.rules, linalg.rules, reduce.rules, shape.rules, nn.rules, nn.staged_rules, rnn.rules,
+          resize.rules)
 REGISTRY = Registry(*TABLES)
