@@ -46,3 +46,20 @@ def test_session_runs_on_torch_tensors_and_sees_in_place_updates():
     torch.testing.assert_close(session.run([x, w])[0], x @ w)
     transposed = torch.randn(4, 5).t()  # non-contiguous inputs are made contiguous
     torch.testing.assert_close(session.run([transposed, w])[0], transposed @ w)
+
+
+def test_parameter_values_follow_in_place_updates_and_replaced_storage():
+    """Parameter OrtValues are made once and reused; in-place updates and new storage are both seen."""
+    from onnxtrain import ORTModule
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    wrapped = ORTModule(model)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), model(x))  # makes the parameters' OrtValues
+        model[0].weight.mul_(0.5)  # in place: the cached OrtValue reads the same memory
+        torch.testing.assert_close(wrapped(x), model(x))
+        model[2].weight.data = torch.randn(2, 16)  # new storage behind the same Parameter object
+        torch.testing.assert_close(wrapped(x), model(x))
+    assert wrapped.export_count == 1

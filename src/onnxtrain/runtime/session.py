@@ -61,14 +61,27 @@ class TorchSession:
         self.output_names = [o.name for o in self._session.get_outputs()]
         self._ort_device = "cuda" if self.device.type == "cuda" else "cpu"
         self._device_id = self.device.index or 0
+        # Parameters are the same tensors, in the same memory, at every step (optimizers update them in
+        # place): their OrtValues are made once. Keyed by position, checked by object and memory.
+        self._param_values: dict[int, tuple[tuple, ort.OrtValue]] = {}
+
+    def _input_value(self, position: int, tensor: torch.Tensor) -> ort.OrtValue:
+        if not isinstance(tensor, torch.nn.Parameter):
+            return to_ortvalue(tensor)
+        key = (id(tensor), tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
+        cached = self._param_values.get(position)
+        if cached is None or cached[0] != key:
+            cached = (key, to_ortvalue(tensor))
+            self._param_values[position] = cached
+        return cached[1]
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if len(inputs) != len(self.input_names):
             raise ValueError(f"the graph takes {len(self.input_names)} inputs, got {len(inputs)}")
         binding = self._session.io_binding()
         keep = []  # the OrtValues must outlive the run
-        for name, tensor in zip(self.input_names, inputs):
-            value = to_ortvalue(tensor)
+        for position, (name, tensor) in enumerate(zip(self.input_names, inputs)):
+            value = self._input_value(position, tensor)
             keep.append(value)
             binding.bind_ortvalue_input(name, value)
         for name in self.output_names:
