@@ -214,7 +214,8 @@ def fold_constants(model: ir.Model, protected: set[ir.Value]) -> None:
     ir.passes.common.RemoveUnusedNodesPass()(model)
 
 
-def _all_values(graph: ir.Graph) -> dict[str, ir.Value]:
+def values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    """Every named value of ``graph``: inputs, initializers and node outputs."""
     values: dict[str, ir.Value] = {}
     for v in graph.inputs:
         values[v.name] = v
@@ -248,7 +249,7 @@ def gradient_model(model: onnx.ModelProto | str | os.PathLike, wrt: Sequence[str
     ir_model = ir.from_proto(proto)
     graph = ir_model.graph
     ir.passes.common.TopologicalSortPass()(ir_model)
-    values = _all_values(graph)
+    values = values_by_name(graph)
 
     if isinstance(wrt, str):
         wrt = [wrt]
@@ -301,7 +302,7 @@ def reserve_names(graph: ir.Graph, names: Sequence[str]) -> set[str]:
 
     A clash with an existing graph input or output is an error. Returns every name now taken.
     """
-    values = _all_values(graph)
+    values = values_by_name(graph)
     io_names = {v.name for v in graph.inputs} | {v.name for v in graph.outputs}
     taken = set(values) | set(names)
     for name in names:
@@ -364,4 +365,5 @@ __all__ = [
     "prepare_model",
     "ir_version_for_onnxruntime",
     "sum_to_shape",
+    "values_by_name",
 ]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 import json
-import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ import onnx_ir.passes.common
 from onnxtrain.autodiff.builder import GraphBuilder, is_float
 from onnxtrain.autodiff.engine import (
     add_gradient_outputs,
-    grad_name,
+    values_by_name,
     ir_version_for_onnxruntime,
     prepare_model,
 )
@@ -42,6 +41,7 @@ from onnxtrain.blocks.loss import (
     MSELoss,
 )
 from onnxtrain.ondevice import checkpoint as ckpt
+from onnxtrain.passes.optimize import OptimizePass
 from onnxtrain.utils.io import load_model, save_model_atomic
 
 TRAINING_METADATA_KEY = "onnxtrain.training"
@@ -169,34 +169,6 @@ def _lift_to_inputs(graph: ir.Graph, names: Sequence[str]) -> dict[str, np.ndarr
 # -------------------------------------------------------------------------------------------------
 
 
-def _fold_constants(model: ir.Model) -> None:
-    """Fold what does not depend on a model input or parameter (onnxscript's optimizer, if installed).
-
-    The parameters are graph inputs by now, so only true constants fold: shape arithmetic that some
-    gradient rules need as constants (Slice axes, Reshape shapes), never a parameter.
-    """
-    try:
-        import onnxscript.optimizer
-    except ImportError:
-        return
-    # Its folder logs a warning for each node it cannot evaluate (and leaves it as is): not our user's concern.
-    folding_log = logging.getLogger("onnxscript.optimizer._constant_folding")
-    level = folding_log.level
-    folding_log.setLevel(logging.ERROR)
-    try:
-        onnxscript.optimizer.optimize(model)
-    finally:
-        folding_log.setLevel(level)
-
-
-def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
-    values = {v.name: v for v in graph.inputs}
-    values.update({n: v for n, v in graph.initializers.items()})
-    for node in graph:
-        values.update({v.name: v for v in node.outputs if v.name})
-    return values
-
-
 def _loss_sources(graph: ir.Graph, loss_input_names) -> list[ir.Value]:
     outputs = {v.name: v for v in graph.outputs}
     if loss_input_names is None:
@@ -238,7 +210,7 @@ def _append_loss(graph: ir.Graph, loss: Loss | None, sources: list[ir.Value], ta
 
 def _set_outputs(graph: ir.Graph, loss_value: ir.Value, loss_dtype: ir.DataType, additional: list[str],
                  taken: set[str]) -> None:
-    values = _values_by_name(graph)
+    values = values_by_name(graph)
     missing = [n for n in additional if n not in values]
     if missing:
         raise KeyError(f"additional_output_names {missing} are not values of the model "
@@ -271,9 +243,9 @@ def build_eval_model(proto: onnx.ModelProto, requires_grad, frozen_params, loss,
     trainable, frozen = select_parameters(graph, requires_grad, frozen_params)
     n_user = len(graph.inputs)
     params = _lift_to_inputs(graph, trainable + frozen)
-    _fold_constants(model)
+    OptimizePass()(model)  # parameters are inputs now: only true constants (shape arithmetic) fold
     sources = _loss_sources(graph, loss_input_names)
-    taken = set(_values_by_name(graph))
+    taken = set(values_by_name(graph))
     loss_value = _append_loss(graph, loss, sources, taken)  # its inputs go after the model's
     lifted = graph.inputs[n_user:n_user + len(params)]
     rest = [v for v in graph.inputs if v not in lifted]
@@ -308,11 +280,10 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict) -> onnx.ModelP
     by_name = {v.name: v for v in graph.inputs}
     wrt = [by_name[n] for n in info["trainable"]]
     loss_value = graph.outputs[0]
-    new = [grad_name(n) for n in info["trainable"]]
-    add_gradient_outputs(model, wrt, [loss_value], names=info["trainable"])
+    grads = add_gradient_outputs(model, wrt, [loss_value], names=info["trainable"])
     meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen")}
     model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training",
-                                                              "gradients": new})
+                                                              "gradients": [g.name for g in grads]})
     return ir_version_for_onnxruntime(ir.to_proto(model))
 
 

@@ -17,7 +17,7 @@ import onnx_ir.passes.common
 import torch
 
 from onnxtrain.autodiff.builder import is_float
-from onnxtrain.autodiff.engine import add_gradient_outputs, ir_version_for_onnxruntime
+from onnxtrain.autodiff.engine import add_gradient_outputs, ir_version_for_onnxruntime, values_by_name
 from onnxtrain.capture import Captured
 from onnxtrain.passes import (
     InitializersToInputsPass,
@@ -112,7 +112,7 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     wrt = [i for i, (v, flag) in enumerate(zip(inputs, requires_grad)) if flag and is_float(v) and v in reachable]
 
     # Internal names only need to be unique: seeds and gradients take free names.
-    taken = _names(graph)
+    taken = set(values_by_name(graph))
     seeds = [ir.Value(name=_free_grad_base(v.name, taken) + "_grad", type=v.type, shape=v.shape) for v in targets]
     graph.inputs.extend(seeds)
     num_forward_outputs = len(graph.outputs)
@@ -143,15 +143,6 @@ def _free_grad_base(name: str, taken: set[str]) -> str:
         base = f"{name}_{k}"
     taken.add(f"{base}_grad")
     return base
-
-
-def _names(graph: ir.Graph) -> set[str]:
-    names = {v.name for v in graph.inputs} | set(graph.initializers)
-    for node in graph:
-        names.update(o.name for o in node.outputs if o.name)
-        if node.name:
-            names.add(node.name)
-    return names
 
 
 def _reaches(graph: ir.Graph, targets: list[ir.Value]) -> set[ir.Value]:

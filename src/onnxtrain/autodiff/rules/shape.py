@@ -298,7 +298,7 @@ def _scatter_reduction(g: GradContext) -> str:
 @r("ScatterND")
 def grad_scatter_nd(g: GradContext):
     """``none``: the overwritten positions take no gradient to ``data``; ``updates`` take theirs."""
-    (data, indices, updates), dy = g.inputs, g.dy[0]
+    indices, updates, dy = g.inputs[1], g.inputs[2], g.dy[0]
     reduction = _scatter_reduction(g)
     d_data = d_updates = None
     if g.needs[0]:
@@ -310,7 +310,7 @@ def grad_scatter_nd(g: GradContext):
 
 @r("ScatterElements")
 def grad_scatter_elements(g: GradContext):
-    (data, indices, updates), dy = g.inputs, g.dy[0]
+    indices, updates, dy = g.inputs[1], g.inputs[2], g.dy[0]
     reduction = _scatter_reduction(g)
     axis = g.attr("axis", 0)
     d_data = d_updates = None
