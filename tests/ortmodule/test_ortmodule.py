@@ -240,3 +240,27 @@ def test_gradient_accumulation_and_clipping_work_unchanged():
         torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def _trainings(model: ORTModule):
+    return [t for entries in model._cache.values() for graphs in entries for t in graphs.training.values()]
+
+
+@pytest.mark.parametrize("use_logits", [False, True])
+def test_outputs_outside_the_loss_are_left_out_of_backward(use_logits):
+    """loss.backward() alone runs a backward graph without the logits' gradient input (not a zero tensor
+    added to the loss's); using the logits too runs the full graph. Both match eager."""
+    reference, model = _pair(models.gpt2)
+    inputs = models.text_batch(3, 16)
+    for m in (model, reference):
+        out = m(**inputs)
+        (out.loss + out.logits.square().mean() if use_logits else out.loss).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6, msg=name)
+    (training,) = _trainings(model)
+    variants = training._variants
+    if use_logits:
+        assert variants == {}
+    else:
+        (session,) = variants.values()
+        assert session is not None and len(session.input_names) == len(training.backward.input_names) - 1

@@ -114,8 +114,18 @@ def _plan(graph: ir.Graph, wrt: Sequence[ir.Value], outputs: Sequence[ir.Value],
     return _Plan(on_path=on_path, rules={n: rules[n] for n in on_path}, needed=needed)
 
 
-def _sum(b: GraphBuilder, terms: list[ir.Value]) -> ir.Value:
-    return terms[0] if len(terms) == 1 else b.Sum(*terms)
+def _sum(b: GraphBuilder, terms: list[ir.Value], like: ir.Value) -> ir.Value:
+    """The gradient of ``like``: the sum of its terms, each already of ``like``'s shape."""
+    total = terms[0] if len(terms) == 1 else b.Sum(*terms)
+    _shape_like(total, like)
+    return total
+
+
+def _shape_like(grad: ir.Value, value: ir.Value) -> None:
+    """A gradient has its value's shape (rules un-broadcast): say so where nothing inferred it, so that
+    later passes can see that the terms of a gradient sum do not broadcast."""
+    if grad.shape is None and value.shape is not None and not grad.is_graph_input():
+        grad.shape = value.shape
 
 
 def build_gradients(graph: ir.Graph, wrt: Sequence[ir.Value], outputs: Sequence[ir.Value],
@@ -138,7 +148,7 @@ def build_gradients(graph: ir.Graph, wrt: Sequence[ir.Value], outputs: Sequence[
         grads.setdefault(out, []).append(seed)
 
     for node in plan.on_path:
-        dy = [_sum(builder, grads.pop(o)) if o in grads else None for o in node.outputs]
+        dy = [_sum(builder, grads.pop(o), o) if o in grads else None for o in node.outputs]
         if all(d is None for d in dy):
             continue
         rule = plan.rules[node]
@@ -158,10 +168,11 @@ def build_gradients(graph: ir.Graph, wrt: Sequence[ir.Value], outputs: Sequence[
                 continue
             if rule.broadcast:
                 grad = sum_to_shape(builder, grad, value, node.outputs[0].shape)
+            _shape_like(grad, value)
             grads.setdefault(value, []).append(grad)
     builder.scope = ""
 
-    return [_sum(builder, grads[v]) if v in grads else zeros_like(builder, v) for v in wrt]
+    return [_sum(builder, grads[v], v) if v in grads else zeros_like(builder, v) for v in wrt]
 
 
 # -------------------------------------------------------------------------------------------------

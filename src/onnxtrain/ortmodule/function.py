@@ -34,14 +34,24 @@ class ORTFunction(torch.autograd.Function):
         visible = outputs[:n_visible]
         differentiable = set(training.differentiable_outputs)
         ctx.mark_non_differentiable(*(t for i, t in enumerate(visible) if i not in differentiable))
+        # Outputs that do not reach the loss get None, not zeros, so that backward can skip them.
+        ctx.set_materialize_grads(False)
+        ctx.output_meta = [(visible[i].shape, visible[i].dtype, visible[i].device)
+                           for i in training.differentiable_outputs]
         return tuple(visible)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grad_outputs: torch.Tensor):
         training: Training = ctx.training
-        seeds = [_seed(grad_outputs[i]) for i in training.differentiable_outputs]
-        grads = training.backward.run([*seeds, *ctx.stashed, *ctx.saved_tensors])
+        given = [grad_outputs[i] for i in training.differentiable_outputs]
+        session = training.backward_for(tuple(g is not None for g in given))
+        if session is None:  # the full graph, with zeros for the missing output gradients
+            session = training.backward
+            given = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                     for g, (shape, dtype, device) in zip(given, ctx.output_meta)]
+        seeds = [_seed(g) for g in given if g is not None]
+        grads = session.run([*seeds, *ctx.stashed, *ctx.saved_tensors])
         ctx.stashed = None  # free the activations as soon as backward is done
         result: list[torch.Tensor | None] = [None] * ctx.num_tensors
         for k, row in training.zero_rows.items():

@@ -8,24 +8,28 @@ new values of mutated buffers; the forward graph adds the values backward needs.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common
+import onnxruntime as ort
 import torch
 
 from onnxtrain.autodiff.builder import is_float
 from onnxtrain.autodiff.engine import add_gradient_outputs, ir_version_for_onnxruntime, values_by_name
 from onnxtrain.capture import Captured
 from onnxtrain.passes import (
+    ExpandCrossEntropyPass,
     InitializersToInputsPass,
     OptimizePass,
     Split,
     infer_symbolic_shapes,
     split_forward_backward,
 )
+from onnxtrain.passes.zero_inputs import CannotPrune, prune_zero_inputs
 from onnxtrain.runtime.session import TorchSession, session_options
 from onnxtrain.utils.io import save_model_atomic
 
@@ -47,6 +51,30 @@ class Training:
     # Embedding rows whose gradient PyTorch keeps at zero (``padding_idx``): the exported Gather forgets
     # it, so the bridge zeroes them. Maps a position in ``wrt`` to the row.
     zero_rows: dict[int, int] = field(default_factory=dict)
+    backward_proto: onnx.ModelProto | None = None
+    options: Callable[[], ort.SessionOptions] | None = None
+    # Backward graphs for calls where some output gradients are absent (None: those seeds cannot be
+    # pruned, feed zeros), keyed by which of the differentiable outputs have a gradient.
+    _variants: dict[tuple[bool, ...], TorchSession | None] = field(default_factory=dict)
+
+    def backward_for(self, present: tuple[bool, ...]) -> TorchSession | None:
+        """The backward session taking only the present output gradients, or None where the full graph
+        must be fed zeros instead (see :mod:`onnxtrain.passes.zero_inputs`)."""
+        if all(present):
+            return self.backward
+        if present not in self._variants:
+            self._variants[present] = self._pruned(present)
+        return self._variants[present]
+
+    def _pruned(self, present: tuple[bool, ...]) -> TorchSession | None:
+        absent = [v.name for v, here in zip(self.backward_proto.graph.input, present) if not here]
+        try:
+            proto = prune_zero_inputs(self.backward_proto, absent)
+        except CannotPrune as exc:
+            logger.info("output gradients %s are fed as zeros: %s", absent, exc)
+            return None
+        logger.info("built a backward graph without the output gradients %s", absent)
+        return TorchSession(ir_version_for_onnxruntime(proto), self.backward.device, self.options())
 
 
 @dataclass
@@ -82,11 +110,16 @@ class SchemaGraphs:
 
     def inference_session(self) -> TorchSession:
         if self.inference is None:
-            self.inference = self._session(self.base)
+            model = ir.from_proto(self.base)
+            ExpandCrossEntropyPass()(model)
+            self.inference = self._session(ir.to_proto(model))
         return self.inference
 
     def _session(self, proto: onnx.ModelProto) -> TorchSession:
-        return TorchSession(proto, self.device, session_options(log_severity=self.log_severity))
+        return TorchSession(proto, self.device, self._options())
+
+    def _options(self) -> ort.SessionOptions:
+        return session_options(log_severity=self.log_severity)
 
 
 def prepare(captured: Captured, state_names: list[str], device: torch.device, log_severity: int) -> SchemaGraphs:
@@ -119,6 +152,7 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     if wrt:
         bases = [_free_grad_base(inputs[i].name, taken) for i in wrt]
         add_gradient_outputs(model, [inputs[i] for i in wrt], targets, seeds, names=bases)
+    ExpandCrossEntropyPass()(model)  # after the gradient: its SoftmaxCrossEntropyLoss rule is the cheaper one
     if save is not None:
         save(model, "training")
     split = split_forward_backward(model, num_forward_outputs, len(seeds))
@@ -132,7 +166,8 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     state = {graphs.num_inputs + i: name for i, name in enumerate(graphs.state_names)}
     zero_rows = {k: graphs.padding_rows[state[pos]] for k, pos in enumerate(wrt)
                  if state.get(pos) in graphs.padding_rows}
-    return Training(graphs._session(forward), graphs._session(backward), split, wrt, diff_outputs, zero_rows)
+    return Training(graphs._session(forward), graphs._session(backward), split, wrt, diff_outputs, zero_rows,
+                    backward_proto=backward, options=graphs._options)
 
 
 def _free_grad_base(name: str, taken: set[str]) -> str:

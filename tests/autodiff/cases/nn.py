@@ -38,6 +38,11 @@ for op in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"):
                       name=f"{short}-mean-ignore-in-range"))
     CASES.append(Case(op, [("x", F(2, 5, 2, 2)), ("t", _labels((2, 2, 2), 5).astype(np.int32)), ("w", _W)],
                       const=("w",), name=f"{short}-mean-4d-weight-int32"))
+    # before opset 16 ScatterElements cannot add: the gradient takes the one-hot route
+    CASES.append(Case(op, [("x", F(3, 5, 2)), ("t", _labels((3, 2), 5, ignore=-100)), ("w", _W)],
+                      {"reduction": "none", "ignore_index": -100}, const=("w",), opset=13,
+                      name=f"{short}-none-3d-weight-ignore-opset13"))
+    CASES.append(Case(op, [("x", F(4, 5)), ("t", _labels((4,), 5))], opset=15, name=f"{short}-mean-opset15"))
 CASES += [
     Case("SoftmaxCrossEntropyLoss", [("x", F(4, 5)), ("t", _labels((4,), 5, ignore=1))],
          {"reduction": "mean", "ignore_index": 1}, num_outputs=2, name="SCE-with-log-prob"),
