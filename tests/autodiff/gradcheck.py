@@ -12,7 +12,6 @@ A :class:`Case` describes one node. ``check_case``:
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 import numpy as np

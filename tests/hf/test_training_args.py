@@ -12,7 +12,13 @@ import transformers
 from onnxtrain.hf import ORTTrainer, ORTTrainingArguments
 from onnxtrain.hf.features import resolve_feature
 from onnxtrain.optim import AdamWMode, FusedAdam
-from tests.hf.helpers import bert_classifier, classification_dataset, gpt2_lm, losses, train_args
+from tests.hf.helpers import (
+    bert_classifier,
+    classification_dataset,
+    gpt2_lm,
+    losses,
+    train_args,
+)
 
 
 def test_adamw_ort_fused_is_accepted_and_serialized(tmp_path):

@@ -11,7 +11,11 @@ from onnx import TensorProto, helper
 
 from onnxtrain.autodiff import gradient_model
 from onnxtrain.passes import ExpandCrossEntropyPass
-from onnxtrain.passes.zero_inputs import CannotPrune, PruneZeroInputsPass, prune_zero_inputs
+from onnxtrain.passes.zero_inputs import (
+    CannotPrune,
+    PruneZeroInputsPass,
+    prune_zero_inputs,
+)
 
 RNG = np.random.default_rng(0)
 

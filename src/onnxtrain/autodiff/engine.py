@@ -19,7 +19,13 @@ import onnx_ir.passes.common
 
 from onnxtrain.autodiff.broadcast import sum_to_shape
 from onnxtrain.autodiff.builder import GraphBuilder, is_float
-from onnxtrain.autodiff.registry import GradContext, Registry, Rule, normalize_domain, zeros_like
+from onnxtrain.autodiff.registry import (
+    GradContext,
+    Registry,
+    Rule,
+    normalize_domain,
+    zeros_like,
+)
 
 # Lowest opset the rules are written for (ReduceSum/Squeeze/Unsqueeze take axes as inputs from 13).
 MIN_OPSET = 13

@@ -28,9 +28,9 @@ import onnx_ir.passes.common
 from onnxtrain.autodiff.builder import GraphBuilder, is_float
 from onnxtrain.autodiff.engine import (
     add_gradient_outputs,
-    values_by_name,
     ir_version_for_onnxruntime,
     prepare_model,
+    values_by_name,
 )
 from onnxtrain.blocks import optim as optim_blocks
 from onnxtrain.blocks.loss import (

@@ -19,7 +19,11 @@ import onnxruntime as ort
 import torch
 
 from onnxtrain.autodiff.builder import is_float
-from onnxtrain.autodiff.engine import add_gradient_outputs, ir_version_for_onnxruntime, values_by_name
+from onnxtrain.autodiff.engine import (
+    add_gradient_outputs,
+    ir_version_for_onnxruntime,
+    values_by_name,
+)
 from onnxtrain.capture import Captured
 from onnxtrain.passes import (
     ExpandCrossEntropyPass,

@@ -16,13 +16,13 @@ import onnx_ir as ir
 
 from onnxtrain.autodiff.registry import GradContext, RuleTable
 from onnxtrain.autodiff.rules._rnn_common import (
-    B,
     INITIAL_C,
     INITIAL_H,
-    R,
-    W,
+    B,
     DirectionGrads,
+    R,
     RecurrentNode,
+    W,
     affine,
     finish,
     input_side_grads,
