@@ -15,7 +15,6 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common
-import onnxruntime as ort
 import torch
 
 from onnxtrain.autodiff.builder import is_float
@@ -45,32 +44,40 @@ RANDOM_OPS = frozenset({"Dropout", "RandomUniform", "RandomUniformLike", "Random
 
 @dataclass
 class Training:
-    """Forward and backward sessions and how their inputs and outputs line up with the torch side."""
+    """Forward and backward graphs and how their inputs and outputs line up with the torch side.
+
+    Backward sessions are made on first use, one per pattern of present output gradients: when only
+    the loss reaches ``backward()``, the graph without the other outputs' gradient inputs runs
+    (:mod:`onnxtrain.passes.zero_inputs`), and the full graph's session is never made.
+    """
 
     forward: TorchSession
-    backward: TorchSession
+    backward_proto: onnx.ModelProto
     split: Split
     wrt: list[int]  # positions in [*inputs, *state] whose gradients backward returns, in order
     differentiable_outputs: list[int]  # user outputs that take an output gradient, in order
+    make_session: Callable[[onnx.ModelProto], TorchSession]
     # Embedding rows whose gradient PyTorch keeps at zero (``padding_idx``): the exported Gather forgets
     # it, so the bridge zeroes them. Maps a position in ``wrt`` to the row.
     zero_rows: dict[int, int] = field(default_factory=dict)
-    backward_proto: onnx.ModelProto | None = None
-    options: Callable[[], ort.SessionOptions] | None = None
-    # Backward graphs for calls where some output gradients are absent (None: those seeds cannot be
-    # pruned, feed zeros), keyed by which of the differentiable outputs have a gradient.
-    _variants: dict[tuple[bool, ...], TorchSession | None] = field(default_factory=dict)
+    # Keyed by which differentiable outputs have a gradient. None: those cannot be pruned, so the full
+    # graph runs with zeros fed for them.
+    _backward: dict[tuple[bool, ...], TorchSession | None] = field(default_factory=dict)
+
+    @property
+    def backward(self) -> TorchSession:
+        """The full backward graph's session: every output gradient is an input."""
+        return self.backward_for((True,) * len(self.differentiable_outputs))  # type: ignore[return-value]
 
     def backward_for(self, present: tuple[bool, ...]) -> TorchSession | None:
-        """The backward session taking only the present output gradients, or None where the full graph
-        must be fed zeros instead (see :mod:`onnxtrain.passes.zero_inputs`)."""
-        if all(present):
-            return self.backward
-        if present not in self._variants:
-            self._variants[present] = self._pruned(present)
-        return self._variants[present]
+        """The session taking only the present output gradients, or None if the full one must be fed zeros."""
+        if present not in self._backward:
+            self._backward[present] = self._build(present)
+        return self._backward[present]
 
-    def _pruned(self, present: tuple[bool, ...]) -> TorchSession | None:
+    def _build(self, present: tuple[bool, ...]) -> TorchSession | None:
+        if all(present):
+            return self.make_session(self.backward_proto)
         absent = [v.name for v, here in zip(self.backward_proto.graph.input, present) if not here]
         try:
             proto = prune_zero_inputs(self.backward_proto, absent)
@@ -78,7 +85,7 @@ class Training:
             logger.info("output gradients %s are fed as zeros: %s", absent, exc)
             return None
         logger.info("built a backward graph without the output gradients %s", absent)
-        return TorchSession(ir_version_for_onnxruntime(proto), self.backward.device, self.options())
+        return self.make_session(ir_version_for_onnxruntime(proto))
 
 
 @dataclass
@@ -120,10 +127,7 @@ class SchemaGraphs:
         return self.inference
 
     def _session(self, proto: onnx.ModelProto) -> TorchSession:
-        return TorchSession(proto, self.device, self._options())
-
-    def _options(self) -> ort.SessionOptions:
-        return session_options(log_severity=self.log_severity)
+        return TorchSession(proto, self.device, session_options(log_severity=self.log_severity))
 
 
 def prepare(captured: Captured, state_names: list[str], device: torch.device, log_severity: int) -> SchemaGraphs:
@@ -170,8 +174,7 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     state = {graphs.num_inputs + i: name for i, name in enumerate(graphs.state_names)}
     zero_rows = {k: graphs.padding_rows[state[pos]] for k, pos in enumerate(wrt)
                  if state.get(pos) in graphs.padding_rows}
-    return Training(graphs._session(forward), graphs._session(backward), split, wrt, diff_outputs, zero_rows,
-                    backward_proto=backward, options=graphs._options)
+    return Training(graphs._session(forward), backward, split, wrt, diff_outputs, graphs._session, zero_rows)
 
 
 def _free_grad_base(name: str, taken: set[str]) -> str:
