@@ -96,8 +96,9 @@ def worker_ondevice(args) -> dict:
     import onnxruntime as ort
 
     from onnxtrain.api import CheckpointState, Module, Optimizer
+    from onnxtrain.utils.ort_memory import use_shared_arena
 
-    options = ort.SessionOptions()
+    options = use_shared_arena(ort.SessionOptions())  # what Module does when given no options
     options.intra_op_num_threads = args.threads
     options.inter_op_num_threads = 1
     d = Path(args.dir)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from onnxtrain import artifacts
+from onnxtrain.utils import chunks
 from tests.ondevice.helpers import (
     CNN,
     MLP,
@@ -79,7 +80,15 @@ def test_mlp_frozen_parameters_stay_bit_identical(mlp, tmp_path):
         assert not np.array_equal(state.parameters[name].data, before[name])
 
 
-def test_regression_mlp_mse_sgd_momentum_matches_torch(tmp_path):
+@pytest.fixture(params=["one chunk", "many chunks"])
+def chunk_size(request, monkeypatch):
+    """The optimizer graph in one chunk, or in 100-element chunks with a zero-padded tail."""
+    if request.param == "many chunks":
+        monkeypatch.setattr(chunks, "CHUNK", 100)
+    return request.param
+
+
+def test_regression_mlp_mse_sgd_momentum_matches_torch(tmp_path, chunk_size):
     torch.manual_seed(3)
     model = MLP((6, 16, 3))
     path = export(clone(model), (torch.randn(4, 6),), tmp_path / "reg.onnx", ["x"])
@@ -96,7 +105,7 @@ def test_regression_mlp_mse_sgd_momentum_matches_torch(tmp_path):
     assert_losses_close(ours, theirs, RTOL)
 
 
-def test_adamw_with_global_norm_clipping_matches_torch(mlp, tmp_path):
+def test_adamw_with_global_norm_clipping_matches_torch(mlp, tmp_path, chunk_size):
     model, path = mlp
     opt = artifacts.AdamW(weight_decay=0.1, betas=(0.8, 0.99), eps=1e-6, max_grad_norm=0.5)
     paths = generate(path, tmp_path, requires_grad=_params(model), loss="crossentropy", optimizer=opt)
@@ -114,6 +123,18 @@ def test_adamw_with_global_norm_clipping_matches_torch(mlp, tmp_path):
         topt.step()
         theirs.append(loss.item())
     assert_losses_close(ours, theirs, RTOL)
+    if chunk_size == "many chunks":
+        (group,) = optimizer._meta["groups"]
+        assert group["chunks"] > 1 and group["chunks"] * group["chunk"] > group["size"]  # padded tail
+
+
+def test_optimizer_chunked_differently_from_the_runtime_is_refused(mlp, tmp_path, monkeypatch):
+    model, path = mlp
+    monkeypatch.setattr(chunks, "CHUNK", 100)
+    paths = generate(path, tmp_path, requires_grad=_params(model), loss="crossentropy", optimizer="adamw")
+    monkeypatch.setattr(chunks, "CHUNK", 1 << 18)
+    with pytest.raises(ValueError, match="generate the artifacts again"):
+        load(paths, lr=1e-2)
 
 
 def test_gradients_accumulate_until_lazy_reset(mlp, tmp_path):

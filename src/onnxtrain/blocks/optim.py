@@ -2,11 +2,14 @@
 
 The trainable parameters are laid out, per element type, in one flat vector (the runtime keeps them
 that way in memory, each parameter a view into it), so a step is a handful of elementwise nodes over a
-few long vectors instead of a dozen nodes per parameter. The graph's interface, for each element type
-``T`` present (e.g. ``float32``):
+few long vectors instead of a dozen nodes per parameter. The vectors are cut into chunks (rows), and a
+``Scan`` runs the update chunk by chunk so that each chunk stays in cache through all of its operations
+(:mod:`onnxtrain.utils.chunks`). The graph's interface, for each element type ``T`` present (e.g.
+``float32``):
 
     inputs   learning_rate (float32 scalar), step (int64 scalar: the step being taken, 1 for the first),
-             params.T, gradients.T, then one ``<state>.T`` per optimizer state (all flat, same length)
+             params.T, gradients.T, then one ``<state>.T`` per optimizer state, each [chunks, chunk]:
+             the flat vector, zero-padded to whole chunks
     outputs  params.T.out, then ``<state>.T.out``: the runtime binds them to the input buffers, so a
              step updates the parameters and states in place
 
@@ -24,6 +27,7 @@ import onnx
 import onnx_ir as ir
 
 from onnxtrain.autodiff.builder import GraphBuilder
+from onnxtrain.utils.chunks import chunking
 
 OPSET = 17
 METADATA_KEY = "onnxtrain.optimizer"
@@ -54,23 +58,32 @@ class AdamW:
             raise ValueError(f"AdamW lr, eps and weight_decay must be >= 0, got {self}")
         _check_clip(self.max_grad_norm)
 
-    def update(self, op: GraphBuilder, p, g, states, lr, step):
-        m, v = states
-        b1, b2 = self.betas
-        dtype = p.dtype  # builder outputs carry no type; take it from the input
+    def scalars(self, op: GraphBuilder, lr, step, dtype: ir.DataType) -> dict[str, ir.Value]:
+        """The step's scalar factors, computed once per step outside the per-chunk loop.
+
+        With bias corrections bc1 = 1 - b1^t and bc2 = 1 - b2^t, torch's update
+        ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)`` is ``p -= step_size * m / (sqrt(v) + eps_hat)``
+        with ``step_size = lr * sqrt(bc2) / bc1`` and ``eps_hat = eps * sqrt(bc2)``: two passes fewer.
+        """
         c = lambda x: op.const(x, dtype=dtype)
-        if self.weight_decay:
-            p = op.Mul(p, op.Sub(c(1.0), op.Mul(lr, c(self.weight_decay))))
-        m = op.Add(op.Mul(m, c(b1)), op.Mul(g, c(1.0 - b1)))
-        v = op.Add(op.Mul(v, c(b2)), op.Mul(op.Mul(g, g), c(1.0 - b2)))
+        b1, b2 = self.betas
+        step_size, eps = lr, c(self.eps)
         if self.bias_correction:
             t = op.Cast(step, to=dtype)
-            step_size = op.Div(lr, op.Sub(c(1.0), op.Pow(c(b1), t)))
-            denom = op.Add(op.Div(op.Sqrt(v), op.Sqrt(op.Sub(c(1.0), op.Pow(c(b2), t)))), c(self.eps))
-        else:
-            step_size = lr
-            denom = op.Add(op.Sqrt(v), c(self.eps))
-        p = op.Sub(p, op.Mul(op.Div(m, denom), step_size))
+            root_bc2 = op.Sqrt(op.Sub(c(1.0), op.Pow(c(b2), t)))
+            step_size = op.Div(op.Mul(lr, root_bc2), op.Sub(c(1.0), op.Pow(c(b1), t)))
+            eps = op.Mul(eps, root_bc2)
+        return {"decay": op.Sub(c(1.0), op.Mul(lr, c(self.weight_decay))), "step_size": step_size, "eps": eps}
+
+    def update(self, op: GraphBuilder, p, g, states, k: dict[str, ir.Value]):
+        m, v = states
+        b1, b2 = self.betas
+        c = lambda x: op.const(x, dtype=p.dtype)
+        if self.weight_decay:
+            p = op.Mul(p, k["decay"])
+        m = op.Add(op.Mul(m, c(b1)), op.Mul(g, c(1.0 - b1)))
+        v = op.Add(op.Mul(v, c(b2)), op.Mul(op.Mul(g, g), c(1.0 - b2)))
+        p = op.Sub(p, op.Mul(op.Div(m, op.Add(op.Sqrt(v), k["eps"])), k["step_size"]))
         return p, [m, v]
 
 
@@ -96,9 +109,11 @@ class SGD:
     def states(self) -> tuple[str, ...]:
         return ("momentum_buffer",) if self.momentum else ()
 
-    def update(self, op: GraphBuilder, p, g, states, lr, step):
-        dtype = p.dtype  # builder outputs carry no type; take it from the input
-        c = lambda x: op.const(x, dtype=dtype)
+    def scalars(self, op: GraphBuilder, lr, step, dtype: ir.DataType) -> dict[str, ir.Value]:
+        return {"lr": lr, "first": op.Equal(step, op.const(np.array(1, np.int64)))}
+
+    def update(self, op: GraphBuilder, p, g, states, k: dict[str, ir.Value]):
+        c = lambda x: op.const(x, dtype=p.dtype)
         if self.weight_decay:
             g = op.Add(g, op.Mul(p, c(self.weight_decay)))
         new_states = []
@@ -106,10 +121,10 @@ class SGD:
             (buf,) = states
             buf = op.Add(op.Mul(buf, c(self.momentum)), op.Mul(g, c(1.0 - self.dampening)) if self.dampening else g)
             if self.dampening:  # torch starts the buffer at the first gradient, undamped
-                buf = op.Where(op.Equal(step, op.const(np.array(1, np.int64))), g, buf)
+                buf = op.Where(k["first"], g, buf)
             new_states = [buf]
             g = op.Add(g, op.Mul(buf, c(self.momentum))) if self.nesterov else buf
-        return op.Sub(p, op.Mul(g, lr)), new_states
+        return op.Sub(p, op.Mul(g, k["lr"])), new_states
 
 
 def _check_clip(max_grad_norm) -> None:
@@ -129,22 +144,44 @@ def _group_layout(params: list[tuple[str, np.dtype, tuple[int, ...]]]) -> list[d
         group = groups.setdefault(key, {"dtype": key, "params": [], "size": 0})
         group["params"].append({"name": name, "shape": list(shape)})
         group["size"] += int(np.prod(shape, dtype=np.int64))
+    for group in groups.values():
+        group["chunks"], group["chunk"] = chunking(group["size"])
     return list(groups.values())
 
 
-def _global_clip(op: GraphBuilder, grads: list[ir.Value], max_norm: float) -> list[ir.Value]:
-    """Scale all gradients by ``min(1, max_norm / (||g||_2 + 1e-6))`` over every parameter together."""
+def _clip_coefficient(op: GraphBuilder, grads: list[ir.Value], max_norm: float) -> ir.Value:
+    """``min(1, max_norm / (||g||_2 + 1e-6))`` over every parameter together (float32 scalar)."""
     sq = [op.Cast(op.ReduceSum(op.Mul(g, g), keepdims=0), to=ir.DataType.FLOAT) for g in grads]
     total = op.Sqrt(sq[0] if len(sq) == 1 else op.Sum(*sq))
     f = lambda x: op.const(np.array(x, np.float32))
-    coef = op.Min(op.Div(f(max_norm), op.Add(total, f(CLIP_EPS))), f(1.0))
-    return [op.Mul(g, op.Cast(coef, to=g.dtype)) if g.dtype != ir.DataType.FLOAT else op.Mul(g, coef)
-            for g in grads]
+    return op.Min(op.Div(f(max_norm), op.Add(total, f(CLIP_EPS))), f(1.0))
 
 
 def _flat_input(name: str, group: dict) -> ir.Value:
     dtype = ir.DataType.from_numpy(np.dtype(group["dtype"]))
-    return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape([group["size"]]))
+    return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape([group["chunks"], group["chunk"]]))
+
+
+def _chunk_loop(op: GraphBuilder, optimizer, flat: list[ir.Value], coef: ir.Value | None,
+                k: dict[str, ir.Value], length: int) -> list[ir.Value]:
+    """``Scan`` the optimizer's update over the chunks (rows) of ``flat`` = [params, grads, *states]:
+    returns the new [params, *states]. The body reads the step's scalars from the outer graph."""
+    body = GraphBuilder(prefix="optimizer/chunk", opset=OPSET)
+    rows = [ir.Value(name=f"{v.name}.chunk", type=v.type, shape=ir.Shape([length])) for v in flat]
+    p, g, *states = rows
+    if coef is not None:
+        g = body.Mul(g, coef)
+    new_p, new_states = optimizer.update(body, p, g, states, k)
+    outs = []
+    for value, source in zip([new_p, *new_states], [p, *states]):
+        if value.producer() is None:
+            value = body.Identity(value)
+        value.name = f"{source.name}.out"
+        value.type, value.shape = source.type, source.shape
+        outs.append(value)
+    graph = ir.Graph(rows, outs, nodes=body.nodes, opset_imports={"": OPSET}, name="optimizer_chunk")
+    new = op.op("Scan", *flat, body=graph, num_scan_inputs=len(flat), num_outputs=len(outs))
+    return list(new) if len(outs) > 1 else [new]
 
 
 def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dtype, tuple[int, ...]]]) -> onnx.ModelProto:
@@ -162,15 +199,14 @@ def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dty
                          for n in ("params", "gradients", *optimizer.states))
         inputs += [p, g, *states]
         flat[group["dtype"]] = (p, g, states)
-    grads = [g for _, g, _ in flat.values()]
+    coef = None
     if optimizer.max_grad_norm is not None:
-        grads = _global_clip(op, grads, optimizer.max_grad_norm)
-    for (key, (p, _, states)), g in zip(flat.items(), grads):
-        lr_t = lr if p.dtype == ir.DataType.FLOAT else op.Cast(lr, to=p.dtype)
-        new_p, new_states = optimizer.update(op, p, g, states, lr_t, step)
-        for value, source in zip([new_p, *new_states], [p, *states]):
-            if value.producer() is None:
-                value = op.Identity(value)
+        coef = _clip_coefficient(op, [g for _, g, _ in flat.values()], optimizer.max_grad_norm)
+    for group, (p, g, states) in zip(groups, flat.values()):
+        cast = (lambda x: x) if p.dtype == ir.DataType.FLOAT else (lambda x: op.Cast(x, to=p.dtype))  # noqa: E731
+        k = optimizer.scalars(op, cast(lr), step, p.dtype)
+        new = _chunk_loop(op, optimizer, [p, g, *states], None if coef is None else cast(coef), k, group["chunk"])
+        for value, source in zip(new, [p, *states]):
             value.name = f"{source.name}.out"
             value.type, value.shape = source.type, source.shape
             outputs.append(value)

@@ -31,6 +31,8 @@ import numpy as np
 import onnxruntime as ort
 
 from onnxtrain.ondevice import checkpoint as ckpt
+from onnxtrain.utils.chunks import chunking, padded_size
+from onnxtrain.utils.ort_memory import use_shared_arena
 
 TRAINING_METADATA_KEY = "onnxtrain.training"  # same keys as the artifacts writer
 OPTIMIZER_METADATA_KEY = "onnxtrain.optimizer"
@@ -201,8 +203,10 @@ class _FlatLayout:
                 self.dtypes.append(key)
             self.slices[n] = (key, sizes[key], sizes[key] + arrays[n].size)
             sizes[key] += arrays[n].size
-        self.params = {k: np.empty(sizes[k], dtype=k) for k in self.dtypes}
-        self.grads = {k: np.zeros(sizes[k], dtype=k) for k in self.dtypes}
+        self.sizes = sizes
+        # Zero-padded to whole chunks, the optimizer graph's layout (onnxtrain.utils.chunks).
+        self.params = {k: np.zeros(padded_size(sizes[k]), dtype=k) for k in self.dtypes}
+        self.grads = {k: np.zeros(padded_size(sizes[k]), dtype=k) for k in self.dtypes}
         for n in names:
             key, lo, hi = self.slices[n]
             self.params[key][lo:hi] = arrays[n].reshape(-1)
@@ -301,7 +305,12 @@ class _Runner:
 
 
 class Module:
-    """The training and eval models over one CheckpointState, as ``onnxruntime.training.api.Module``."""
+    """The training and eval models over one CheckpointState, as ``onnxruntime.training.api.Module``.
+
+    ``session_options`` serve the training, eval and optimizer sessions. By default they share one CPU
+    arena and use no memory patterns (:mod:`onnxtrain.utils.ort_memory`); options you pass are used
+    as they are.
+    """
 
     def __init__(self, train_model_uri: str | os.PathLike, state: CheckpointState,
                  eval_model_uri: str | os.PathLike | None = None, device: str = "cpu",
@@ -310,6 +319,8 @@ class Module:
             raise TypeError(f"state must be a CheckpointState, got {type(state).__name__}")
         self._state = state
         self._device = device
+        if session_options is None:
+            session_options = use_shared_arena(ort.SessionOptions())
         self._session_options = session_options
         session = _session(train_model_uri, session_options, device, "training model")
         meta = _metadata(session, TRAINING_METADATA_KEY, train_model_uri, "training model")
@@ -483,6 +494,12 @@ class Optimizer:
         if names != layout.names:
             raise ValueError(f"{uri} updates parameters {names[:5]}... but the module trains {layout.names[:5]}...; "
                              "use the optimizer model generated with this training model")
+        for group in meta["groups"]:
+            expected = list(chunking(layout.sizes[group["dtype"]]))
+            if [group.get("chunks"), group.get("chunk")] != expected:
+                raise ValueError(f"{uri} lays the {group['dtype']} parameters out in chunks "
+                                 f"{[group.get('chunks'), group.get('chunk')]}, this runtime in {expected}; "
+                                 "generate the artifacts again with this version of onnxtrain")
 
     def _load_states(self, names: list[str], layout: _FlatLayout) -> dict[str, dict[str, np.ndarray]]:
         states = {s: layout.new_flat() for s in names}
@@ -507,8 +524,9 @@ class Optimizer:
         for key in layout.dtypes:
             pairs = [("params", layout.params[key]), ("gradients", layout.grads[key])]
             pairs += [(s, self._states[s][key]) for s in self._meta["states"]]
+            rows = chunking(layout.sizes[key])
             for prefix, array in pairs:
-                value = _ortvalue(array)
+                value = _ortvalue(array.reshape(rows))  # a view: the graph updates the vectors in place
                 keep.append(value)
                 binding.bind_ortvalue_input(f"{prefix}.{key}", value)
                 if prefix != "gradients":  # updated in place

@@ -14,6 +14,7 @@ import onnxruntime as ort
 import torch
 
 from onnxtrain.runtime.dlpack import to_ortvalue, to_torch
+from onnxtrain.utils.ort_memory import use_shared_arena
 
 logger = logging.getLogger("onnxtrain.runtime")
 
@@ -31,38 +32,12 @@ def providers_for(device: torch.device) -> list:
     return ["CPUExecutionProvider"]
 
 
-_CPU_ARENA_STATE: dict[str, bool] = {}
-
-
-def shared_cpu_arena() -> bool:
-    """Register, once per process, one onnxruntime CPU arena for every session that opts in.
-
-    Each session otherwise grows an arena of its own that it never gives back: memory that the forward
-    graph freed could not serve the backward graph, and vice versa. Returns whether an environment
-    allocator is in place (ours, or one registered before us); False only if onnxruntime refused it.
-    """
-    if "ok" not in _CPU_ARENA_STATE:
-        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-        try:
-            ort.create_and_register_allocator(info, ort.OrtArenaCfg({}))
-            _CPU_ARENA_STATE["ok"] = True
-        except Exception as exc:  # noqa: BLE001 - already registered by someone else is fine, all else: own arenas
-            already = "already" in str(exc).lower()
-            _CPU_ARENA_STATE["ok"] = already
-            if not already:
-                logger.warning("onnxruntime refused a shared CPU arena (%s); each session keeps its own", exc)
-    return _CPU_ARENA_STATE["ok"]
-
-
 def session_options(threads: int | None = None, log_severity: int = 3,
                     optimized_model_path: str | None = None, shared_arena: bool = True) -> ort.SessionOptions:
     """Options for training graphs: as many intra-op threads as torch uses, sequential execution.
 
-    ``shared_arena``: CPU memory comes from one process-wide arena (:func:`shared_cpu_arena`) and
-    without onnxruntime's memory patterns. A pattern is one block per run for all intermediate values,
-    recorded on the first run and allocated from the second on: the first run's chunks then sit idle
-    beside it. Together these cut GPT-2-small's steady RSS under ORTModule by about 30% (see
-    BENCHMARKS.md) and measured no slower.
+    ``shared_arena``: CPU memory comes from one process-wide arena, without memory patterns
+    (:func:`onnxtrain.utils.ort_memory.use_shared_arena`).
     """
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads if threads is not None else torch.get_num_threads()
@@ -74,9 +49,7 @@ def session_options(threads: int | None = None, log_severity: int = 3,
     # step, the loss) running between two sessions on the same cores.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if shared_arena:
-        options.enable_mem_pattern = False
-        if shared_cpu_arena():
-            options.add_session_config_entry("session.use_env_allocators", "1")
+        use_shared_arena(options)
     if optimized_model_path:
         options.optimized_model_filepath = optimized_model_path
     return options
