@@ -24,7 +24,7 @@ from onnxtrain.capture.flatten import Spec, flatten, unflatten
 
 logger = logging.getLogger("onnxtrain.capture")
 
-OPSET = 18
+OPSET = 20
 _PREFIX = "module."
 
 
