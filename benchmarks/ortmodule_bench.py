@@ -117,7 +117,8 @@ def worker(workload: str, mode: str, steps: int, warmup: int, threads: int, opti
     rss = psutil.Process().memory_info()
     peak = getattr(rss, "peak_wset", None) or _peak_rss()
     return {"workload": workload, "mode": mode, "first_s": first, "median_s": statistics.median(times),
-            "min_s": min(times), "peak_rss_mb": peak / 2**20, "first_loss": first_loss, "steps": steps}
+            "min_s": min(times), "peak_rss_mb": peak / 2**20, "first_loss": first_loss, "steps": steps,
+            "times": times}
 
 
 def _peak_rss() -> int:

@@ -1,10 +1,12 @@
 """Every system side by side, in one invocation: PyTorch eager, torch.compile, ORTModule, on-device.
 
     python benchmarks/run_all.py                 # all workloads, 2 threads, 20 timed steps (~10 min)
+    python benchmarks/run_all.py --rounds 3      # each system three times, interleaved (~30 min)
     python benchmarks/run_all.py --workloads bert --steps 30
 
 Each (workload, system) runs in its own process, one after another (the workers of
-ortmodule_bench.py and ondevice_bench.py). A step is forward + backward + AdamW, float32. Printed per
+ortmodule_bench.py and ondevice_bench.py); with ``--rounds R``, R times, the systems taking turns, and
+the timed steps of all rounds pooled. A step is forward + backward + AdamW, float32. Printed per
 workload: median step time of each system, ratios to eager and to torch.compile, achieved GFLOP/s
 (matmul FLOPs of forward and backward per step, counted analytically: 3x the forward matmul FLOPs) and
 that as a share of the GFLOP/s of a large float32 matmul measured in the same run, first-step time and
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,13 +82,24 @@ def peak_matmul_gflops(threads: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_ondevice(workload: str, args) -> dict:
-    with tempfile.TemporaryDirectory(prefix=f"run_all_{workload}_") as tmp:
-        ondevice_bench.generate(workload, Path(tmp))
-        r = ondevice_bench.run_worker("ondevice", workload, Path(tmp), args)
-    times = sorted(r["times"])
-    return {"workload": workload, "mode": "ondevice", "median_s": times[len(times) // 2], "min_s": times[0],
-            "first_s": None, "peak_rss_mb": r["peak_rss_mb"]}
+def run_ondevice(workload: str, artifacts: Path, args) -> dict:
+    if not (artifacts / "checkpoint").exists():
+        ondevice_bench.generate(workload, artifacts)
+    r = ondevice_bench.run_worker("ondevice", workload, artifacts, args)
+    return {"workload": workload, "mode": "ondevice", "times": r["times"], "first_s": None,
+            "peak_rss_mb": r["peak_rss_mb"]}
+
+
+def merge(runs: list[dict]) -> dict:
+    """One row from the rounds of one (workload, system): median and min over all their timed steps,
+    the median first step, the highest peak RSS."""
+    if any("error" in r for r in runs):
+        return next(r for r in runs if "error" in r)
+    times = sorted(t for r in runs for t in r["times"])
+    firsts = sorted(r["first_s"] for r in runs if r["first_s"] is not None)
+    return {"workload": runs[0]["workload"], "mode": runs[0]["mode"], "median_s": statistics.median(times),
+            "min_s": times[0], "first_s": firsts[len(firsts) // 2] if firsts else None,
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "rounds": len(runs), "times": times}
 
 
 def main(argv=None) -> int:
@@ -99,6 +113,9 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizer", choices=["adamw", "fused"], default="adamw",
                         help="adamw: torch.optim.AdamW; fused: torch's fused AdamW for eager/compile and "
                              "onnxtrain's FusedAdam for ORTModule (on-device always runs its AdamW graph)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every (workload, system) this many times, interleaved, and pool the steps: "
+                             "a noisy spell of the host then falls on every system instead of on one")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     worker_args = SimpleNamespace(steps=args.steps, warmup=args.warmup, threads=args.threads,
@@ -110,17 +127,22 @@ def main(argv=None) -> int:
           f"onnxruntime {peak['onnxruntime']:.0f} GFLOP/s", flush=True)
     reference = max(peak.values())
 
-    results = []
-    for workload in args.workloads:
-        for system in args.systems:
-            if system == "ondevice" and workload not in ONDEVICE_WORKLOADS:
-                continue
-            print(f"  {workload} / {system} ...", flush=True)
-            if system == "ondevice":
-                r = run_ondevice(workload, worker_args)
-            else:
-                r = ortmodule_bench.run_one(workload, system, worker_args)
-            results.append(r)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="run_all_") as tmp:
+        for workload in args.workloads:
+            for round_ in range(args.rounds):
+                for system in args.systems:
+                    if system == "ondevice" and workload not in ONDEVICE_WORKLOADS:
+                        continue
+                    print(f"  {workload} / {system} (round {round_ + 1} of {args.rounds}) ...", flush=True)
+                    if system == "ondevice":
+                        artifacts = Path(tmp) / workload
+                        artifacts.mkdir(exist_ok=True)
+                        r = run_ondevice(workload, artifacts, worker_args)
+                    else:
+                        r = ortmodule_bench.run_one(workload, system, worker_args)
+                    runs.setdefault((workload, system), []).append(r)
+    results = [merge(group) for group in runs.values()]
 
     print(f"\n{'workload':9} {'system':10} {'median':>9} {'min':>9} {'vs eager':>9} {'vs compile':>10} "
           f"{'GFLOP/s':>8} {'of peak':>8} {'1st step':>9} {'peak RSS':>9}")
