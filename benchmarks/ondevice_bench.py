@@ -93,12 +93,11 @@ def time_steps(step, steps: int, warmup: int) -> list[float]:
 
 
 def worker_ondevice(args) -> dict:
-    import onnxruntime as ort
 
     from onnxtrain.api import CheckpointState, Module, Optimizer
-    from onnxtrain.utils.ort_memory import use_shared_arena
+    from onnxtrain.utils.ort_options import for_training
 
-    options = use_shared_arena(ort.SessionOptions())  # what Module does when given no options
+    options = for_training()  # what Module does when given no options
     options.intra_op_num_threads = args.threads
     options.inter_op_num_threads = 1
     d = Path(args.dir)

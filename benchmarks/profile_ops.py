@@ -23,6 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ondevice_bench as bench  # noqa: E402  (models, batches and artifact generation are shared)
 
 
+CONTROL_FLOW = frozenset({"Scan", "Loop", "If"})
+
+
 def aggregate(profile_file: str) -> tuple[collections.Counter, collections.Counter, int]:
     """Kernel microseconds per op type and per node, and the number of runs, from a profile file."""
     with open(profile_file) as f:
@@ -37,6 +40,8 @@ def aggregate(profile_file: str) -> tuple[collections.Counter, collections.Count
         if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time"):
             continue
         op = event.get("args", {}).get("op_name", "?")
+        if op in CONTROL_FLOW:
+            continue  # its body's nodes are profiled one by one: counting both would count twice
         by_op[op] += event["dur"]
         by_node[(op, event["name"][: -len("_kernel_time")])] += event["dur"]
     return by_op, by_node, max(runs, 1)

@@ -224,3 +224,13 @@ def test_model_with_external_data(mlp_onnx, tmp_path):
     state = CheckpointState.load_checkpoint(paths.checkpoint)
     for name, p in model.named_parameters():
         np.testing.assert_array_equal(state.parameters[name].data, p.detach().numpy())
+
+
+def test_module_default_session_options_suit_alternating_sessions():
+    """Training and optimizer sessions take turns: no spinning threads, one arena, no memory patterns."""
+    from onnxtrain.utils.ort_options import for_training
+
+    options = for_training()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert options.get_session_config_entry("session.use_env_allocators") == "1"
+    assert options.enable_mem_pattern is False

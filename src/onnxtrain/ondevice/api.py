@@ -32,7 +32,7 @@ import onnxruntime as ort
 
 from onnxtrain.ondevice import checkpoint as ckpt
 from onnxtrain.utils.chunks import chunking, padded_size
-from onnxtrain.utils.ort_memory import use_shared_arena
+from onnxtrain.utils.ort_options import for_training
 
 TRAINING_METADATA_KEY = "onnxtrain.training"  # same keys as the artifacts writer
 OPTIMIZER_METADATA_KEY = "onnxtrain.optimizer"
@@ -307,9 +307,9 @@ class _Runner:
 class Module:
     """The training and eval models over one CheckpointState, as ``onnxruntime.training.api.Module``.
 
-    ``session_options`` serve the training, eval and optimizer sessions. By default they share one CPU
-    arena and use no memory patterns (:mod:`onnxtrain.utils.ort_memory`); options you pass are used
-    as they are.
+    ``session_options`` serve the training, eval and optimizer sessions. By default
+    (:func:`onnxtrain.utils.ort_options.for_training`) they share one CPU arena, use no memory patterns
+    and let idle threads sleep, since the sessions take turns; options you pass are used as they are.
     """
 
     def __init__(self, train_model_uri: str | os.PathLike, state: CheckpointState,
@@ -320,7 +320,7 @@ class Module:
         self._state = state
         self._device = device
         if session_options is None:
-            session_options = use_shared_arena(ort.SessionOptions())
+            session_options = for_training()
         self._session_options = session_options
         session = _session(train_model_uri, session_options, device, "training model")
         meta = _metadata(session, TRAINING_METADATA_KEY, train_model_uri, "training model")

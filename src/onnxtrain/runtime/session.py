@@ -14,7 +14,7 @@ import onnxruntime as ort
 import torch
 
 from onnxtrain.runtime.dlpack import to_ortvalue, to_torch
-from onnxtrain.utils.ort_memory import use_shared_arena
+from onnxtrain.utils.ort_options import no_spinning, use_shared_arena
 
 logger = logging.getLogger("onnxtrain.runtime")
 
@@ -37,7 +37,7 @@ def session_options(threads: int | None = None, log_severity: int = 3,
     """Options for training graphs: as many intra-op threads as torch uses, sequential execution.
 
     ``shared_arena``: CPU memory comes from one process-wide arena, without memory patterns
-    (:func:`onnxtrain.utils.ort_memory.use_shared_arena`).
+    (:func:`onnxtrain.utils.ort_options.use_shared_arena`).
     """
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads if threads is not None else torch.get_num_threads()
@@ -45,9 +45,9 @@ def session_options(threads: int | None = None, log_severity: int = 3,
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = log_severity
-    # onnxruntime's idle worker threads spin by default, which starves torch's own threads (the optimizer
-    # step, the loss) running between two sessions on the same cores.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # Idle worker threads must not spin: they would take cores from the other session and from torch's
+    # own ops (the optimizer step, the loss) running in between.
+    no_spinning(options)
     if shared_arena:
         use_shared_arena(options)
     if optimized_model_path:
