@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ondevice_bench as bench  # noqa: E402  (models, batches and artifact generation are shared)
 
-
 CONTROL_FLOW = frozenset({"Scan", "Loop", "If"})
 
 
@@ -67,14 +66,14 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
 
-    import onnxruntime as ort
 
     from onnxtrain.api import CheckpointState, Module, Optimizer
+    from onnxtrain.utils.ort_options import for_training
 
     with tempfile.TemporaryDirectory(prefix="profile_ops_") as tmp:
         d = Path(tmp)
         bench.generate(args.model, d)
-        options = ort.SessionOptions()
+        options = for_training()  # as the runtime's defaults, plus profiling
         options.intra_op_num_threads = args.threads
         options.inter_op_num_threads = 1
         options.enable_profiling = True
