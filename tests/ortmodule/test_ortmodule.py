@@ -263,3 +263,27 @@ def test_outputs_outside_the_loss_are_left_out_of_backward(use_logits):
     assert session is not None
     full_inputs = [i.name for i in training.backward_proto.graph.input]
     assert session.input_names == (full_inputs if use_logits else full_inputs[:1] + full_inputs[2:])
+
+
+def test_an_absent_output_gradient_that_cannot_be_pruned_is_fed_as_zeros():
+    """The second output's gradient passes a Where, which the pruning pass does not simplify: backward
+    runs the full graph with a zero tensor for it, and still matches eager."""
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return torch.tanh(h).sum(), torch.where(h > 0, h, torch.zeros_like(h))
+
+    reference, model = _pair(TwoHeads)
+    x = torch.randn(3, 4)
+    for m in (model, reference):
+        m(x)[0].backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    (training,) = _trainings(model)
+    assert set(training._backward) == {(True, False), (True, True)}  # the full graph ran, fed a zero tensor
+    assert training._backward[(True, False)] is None
