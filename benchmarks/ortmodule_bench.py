@@ -140,6 +140,14 @@ def run_one(workload: str, mode: str, args) -> dict:
     return json.loads(lines[-1])
 
 
+def ratios(r: dict, by_key: dict) -> tuple[str, str]:
+    """``r``'s speed against eager and torch.compile of its workload, as printed ("-" where not run)."""
+    eager = by_key.get((r["workload"], "eager"), {}).get("median_s")
+    compiled = by_key.get((r["workload"], "compile"), {}).get("median_s")
+    return (f"{eager / r['median_s']:.2f}x" if eager else "-",
+            f"{compiled / r['median_s']:.2f}x" if compiled else "-")
+
+
 def report(results: list[dict]) -> None:
     by_key = {(r["workload"], r["mode"]): r for r in results}
     header = f"{'workload':9} {'mode':10} {'first step':>11} {'median':>9} {'min':>9} {'vs eager':>9} " \
@@ -150,10 +158,7 @@ def report(results: list[dict]) -> None:
         if "error" in r:
             print(f"{r['workload']:9} {r['mode']:10} failed: {r['error']}")
             continue
-        eager = by_key.get((r["workload"], "eager"), {}).get("median_s")
-        compiled = by_key.get((r["workload"], "compile"), {}).get("median_s")
-        vs_eager = f"{eager / r['median_s']:.2f}x" if eager else "-"
-        vs_compile = f"{compiled / r['median_s']:.2f}x" if compiled else "-"
+        vs_eager, vs_compile = ratios(r, by_key)
         print(f"{r['workload']:9} {r['mode']:10} {r['first_s']:10.2f}s {r['median_s'] * 1e3:7.1f}ms "
               f"{r['min_s'] * 1e3:7.1f}ms {vs_eager:>9} {vs_compile:>10} {r['peak_rss_mb']:7.0f}MB")
     print("\nratios: eager (or compile) median step time / this median step time; >1 is faster")

@@ -151,12 +151,9 @@ def main(argv=None) -> int:
         if "error" in r:
             print(f"{r['workload']:9} {r['mode']:10} failed: {r['error']}")
             continue
-        eager = by_key.get((r["workload"], "eager"), {}).get("median_s")
-        compiled = by_key.get((r["workload"], "compile"), {}).get("median_s")
         gflops = 3 * forward_matmul_flops(r["workload"]) / r["median_s"] / 1e9
         first = f"{r['first_s']:.2f}s" if r.get("first_s") is not None else "-"
-        vs_eager = f"{eager / r['median_s']:.2f}x" if eager else "-"
-        vs_compile = f"{compiled / r['median_s']:.2f}x" if compiled else "-"
+        vs_eager, vs_compile = ortmodule_bench.ratios(r, by_key)
         print(f"{r['workload']:9} {r['mode']:10} {r['median_s'] * 1e3:7.1f}ms {r['min_s'] * 1e3:7.1f}ms "
               f"{vs_eager:>9} {vs_compile:>10} {gflops:8.0f} {100 * gflops / reference:7.0f}% {first:>9} "
               f"{r['peak_rss_mb']:7.0f}MB")

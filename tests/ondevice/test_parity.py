@@ -39,6 +39,12 @@ def mlp(tmp_path_factory):
     return model, path
 
 
+def _torch_adamw_losses(model, batches, lr=1e-2):
+    """The reference: a copy of ``model`` trained on cross-entropy by torch.optim.AdamW."""
+    ref = clone(model)
+    return torch_losses(ref, torch.optim.AdamW(ref.parameters(), lr=lr), torch.nn.functional.cross_entropy, batches)
+
+
 def _params(model):
     return [n for n, _ in model.named_parameters()]
 
@@ -50,9 +56,7 @@ def test_mlp_cross_entropy_adamw_matches_torch(mlp, tmp_path):
     batches = classification_batches(np.random.default_rng(1), STEPS, 8, (16,), 5)
     _, module, optimizer = load(paths, lr=1e-2)
     ours = ondevice_losses(module, optimizer, batches)
-    ref = clone(model)
-    theirs = torch_losses(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.nn.functional.cross_entropy,
-                          batches)
+    theirs = _torch_adamw_losses(model, batches)
     assert_losses_close(ours, theirs, RTOL)
     assert theirs[-1] < theirs[0]  # it trains
 
@@ -185,9 +189,7 @@ def test_cnn_cross_entropy_adamw_matches_torch(tmp_path):
     batches = classification_batches(np.random.default_rng(7), STEPS, 8, (1, 8, 8), 4)
     _, module, optimizer = load(paths, lr=1e-2)
     ours = ondevice_losses(module, optimizer, batches)
-    ref = clone(model)
-    theirs = torch_losses(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.nn.functional.cross_entropy,
-                          batches)
+    theirs = _torch_adamw_losses(model, batches)
     assert_losses_close(ours, theirs, RTOL)
 
 

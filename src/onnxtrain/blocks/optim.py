@@ -162,6 +162,19 @@ def _flat_input(name: str, group: dict) -> ir.Value:
     return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape([group["chunks"], group["chunk"]]))
 
 
+def _as_outputs(op: GraphBuilder, values: list[ir.Value], sources: list[ir.Value]) -> list[ir.Value]:
+    """``values`` as the graph outputs that replace ``sources``: named ``<source>.out`` and typed like them
+    (through an Identity where a value is a source passed through unchanged)."""
+    outs = []
+    for value, source in zip(values, sources):
+        if value.producer() is None:
+            value = op.Identity(value)
+        value.name = f"{source.name}.out"
+        value.type, value.shape = source.type, source.shape
+        outs.append(value)
+    return outs
+
+
 def _chunk_loop(op: GraphBuilder, optimizer, flat: list[ir.Value], coef: ir.Value | None,
                 k: dict[str, ir.Value], length: int) -> list[ir.Value]:
     """``Scan`` the optimizer's update over the chunks (rows) of ``flat`` = [params, grads, *states]:
@@ -172,13 +185,7 @@ def _chunk_loop(op: GraphBuilder, optimizer, flat: list[ir.Value], coef: ir.Valu
     if coef is not None:
         g = body.Mul(g, coef)
     new_p, new_states = optimizer.update(body, p, g, states, k)
-    outs = []
-    for value, source in zip([new_p, *new_states], [p, *states]):
-        if value.producer() is None:
-            value = body.Identity(value)
-        value.name = f"{source.name}.out"
-        value.type, value.shape = source.type, source.shape
-        outs.append(value)
+    outs = _as_outputs(body, [new_p, *new_states], [p, *states])
     graph = ir.Graph(rows, outs, nodes=body.nodes, opset_imports={"": OPSET}, name="optimizer_chunk")
     new = op.op("Scan", *flat, body=graph, num_scan_inputs=len(flat), num_outputs=len(outs))
     return list(new) if len(outs) > 1 else [new]
@@ -206,10 +213,7 @@ def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dty
         cast = (lambda x: x) if p.dtype == ir.DataType.FLOAT else (lambda x: op.Cast(x, to=p.dtype))  # noqa: E731
         k = optimizer.scalars(op, cast(lr), step, p.dtype)
         new = _chunk_loop(op, optimizer, [p, g, *states], None if coef is None else cast(coef), k, group["chunk"])
-        for value, source in zip(new, [p, *states]):
-            value.name = f"{source.name}.out"
-            value.type, value.shape = source.type, source.shape
-            outputs.append(value)
+        outputs += _as_outputs(op, new, [p, *states])
     graph = ir.Graph(inputs, outputs, nodes=op.nodes, opset_imports={"": OPSET}, name="optimizer")
     model = ir.Model(graph, ir_version=8, producer_name="onnxtrain")
     meta = {"type": type(optimizer).__name__, "hyperparameters": asdict(optimizer),

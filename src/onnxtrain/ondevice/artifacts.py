@@ -41,7 +41,10 @@ from onnxtrain.blocks.loss import (
     MSELoss,
 )
 from onnxtrain.ondevice import checkpoint as ckpt
-from onnxtrain.passes.expand_cross_entropy import ExpandCrossEntropyPass
+from onnxtrain.passes.expand_cross_entropy import (
+    ExpandCrossEntropyPass,
+    expand_cross_entropy,
+)
 from onnxtrain.passes.optimize import OptimizePass
 from onnxtrain.utils.io import load_model, save_model_atomic
 
@@ -274,11 +277,6 @@ def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
                          "loss block's inputs match the model outputs in type and rank") from exc
 
 
-def _expand_cross_entropy(proto: onnx.ModelProto) -> onnx.ModelProto:
-    model = ir.from_proto(proto)
-    return ir.to_proto(model) if ExpandCrossEntropyPass()(model).modified else proto
-
-
 def build_training_model(eval_proto: onnx.ModelProto, info: dict) -> onnx.ModelProto:
     """Add the gradients of the loss w.r.t. the trainable parameters to the eval model."""
     model = ir.from_proto(eval_proto)
@@ -319,7 +317,7 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     eval_proto, info = build_eval_model(proto, requires_grad, frozen_params, loss_block,
                                         additional_output_names, loss_input_names)
     training_proto = build_training_model(eval_proto, info)
-    eval_proto = _expand_cross_entropy(eval_proto)
+    eval_proto = expand_cross_entropy(eval_proto)
 
     out_dir = Path(artifact_directory if artifact_directory is not None else os.getcwd())
     paths = Artifacts(out_dir / f"{prefix}training_model.onnx", out_dir / f"{prefix}eval_model.onnx",

@@ -32,6 +32,7 @@ from onnxtrain.passes import (
     infer_symbolic_shapes,
     split_forward_backward,
 )
+from onnxtrain.passes.expand_cross_entropy import expand_cross_entropy
 from onnxtrain.passes.zero_inputs import CannotPrune, prune_zero_inputs
 from onnxtrain.runtime.session import TorchSession, session_options
 from onnxtrain.utils.io import save_model_atomic
@@ -121,9 +122,7 @@ class SchemaGraphs:
 
     def inference_session(self) -> TorchSession:
         if self.inference is None:
-            model = ir.from_proto(self.base)
-            ExpandCrossEntropyPass()(model)
-            self.inference = self._session(ir.to_proto(model))
+            self.inference = self._session(expand_cross_entropy(self.base))
         return self.inference
 
     def _session(self, proto: onnx.ModelProto) -> TorchSession:

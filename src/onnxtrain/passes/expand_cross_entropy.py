@@ -12,6 +12,7 @@ separate rules would); the graph's values, names and outputs are unchanged.
 
 from __future__ import annotations
 
+import onnx
 import onnx_ir as ir
 
 _KEPT_ATTRIBUTES = ("reduction", "ignore_index")
@@ -28,6 +29,12 @@ class ExpandCrossEntropyPass(ir.passes.InPlacePass):
                     _expand(graph, node)
                     modified = True
         return ir.passes.PassResult(model, modified=modified)
+
+
+def expand_cross_entropy(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The pass on a ModelProto: ``proto`` itself when it has nothing to expand."""
+    model = ir.from_proto(proto)
+    return ir.to_proto(model) if ExpandCrossEntropyPass()(model).modified else proto
 
 
 def _applies(node: ir.Node) -> bool:

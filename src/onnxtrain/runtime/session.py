@@ -14,7 +14,7 @@ import onnxruntime as ort
 import torch
 
 from onnxtrain.runtime.dlpack import to_ortvalue, to_torch
-from onnxtrain.utils.ort_options import no_spinning, use_shared_arena
+from onnxtrain.utils.ort_options import for_training
 
 logger = logging.getLogger("onnxtrain.runtime")
 
@@ -33,23 +33,17 @@ def providers_for(device: torch.device) -> list:
 
 
 def session_options(threads: int | None = None, log_severity: int = 3,
-                    optimized_model_path: str | None = None, shared_arena: bool = True) -> ort.SessionOptions:
-    """Options for training graphs: as many intra-op threads as torch uses, sequential execution.
-
-    ``shared_arena``: CPU memory comes from one process-wide arena, without memory patterns
-    (:func:`onnxtrain.utils.ort_options.use_shared_arena`).
-    """
+                    optimized_model_path: str | None = None) -> ort.SessionOptions:
+    """Options for training graphs: as many intra-op threads as torch uses, sequential execution, and
+    :func:`onnxtrain.utils.ort_options.for_training` (one shared arena; idle threads sleep, since they
+    would otherwise take cores from the other session and from torch's ops running in between)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads if threads is not None else torch.get_num_threads()
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = log_severity
-    # Idle worker threads must not spin: they would take cores from the other session and from torch's
-    # own ops (the optimizer step, the loss) running in between.
-    no_spinning(options)
-    if shared_arena:
-        use_shared_arena(options)
+    for_training(options)
     if optimized_model_path:
         options.optimized_model_filepath = optimized_model_path
     return options
