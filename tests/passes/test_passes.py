@@ -113,3 +113,57 @@ def test_split_forward_backward_matches_the_training_graph():
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     backward_ops = {n.op_type for n in split.backward.graph}
     assert "Tanh" not in backward_ops and "Softmax" not in backward_ops  # nothing forward is recomputed
+
+
+def _attention_like() -> onnx.ModelProto:
+    """x @ w1 -> reshape -> softmax p -> Where(IsNaN(p), 0, p) -> @ w2: a Reshape's gradient reads the
+    shape of its input, and the Where's mask and result are cheap functions of p."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"]),
+        helper.make_node("Reshape", ["h", "shape"], ["r"]),
+        helper.make_node("Softmax", ["r"], ["p"], axis=-1),
+        helper.make_node("IsNaN", ["p"], ["nan"]),
+        helper.make_node("Where", ["nan", "zero", "p"], ["q"]),
+        helper.make_node("MatMul", ["q", "w2"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "attention_like",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+         helper.make_tensor_value_info("w1", TensorProto.FLOAT, [4, 6]),
+         helper.make_tensor_value_info("w2", TensorProto.FLOAT, [3, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=[helper.make_tensor("shape", TensorProto.INT64, [2], [-1, 3]),
+                     helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    return model
+
+
+def test_split_stashes_shapes_not_tensors_and_redoes_cheap_ops_on_stashed_values():
+    training = gradient_model(_attention_like(), wrt=["x", "w1", "w2"])
+    x = RNG.standard_normal((5, 4)).astype(np.float32)
+    w1 = RNG.standard_normal((4, 6)).astype(np.float32)
+    w2 = RNG.standard_normal((3, 5)).astype(np.float32)
+    dy = RNG.standard_normal((10, 5)).astype(np.float32)
+    want = _run(training, [x, w1, w2, dy])
+
+    split = split_forward_backward(ir.from_proto(training), num_forward_outputs=1, num_output_grads=1)
+    outputs = list(split.forward.graph.outputs)
+    stashed = [outputs[i] for i in split.stashed_outputs]
+    by_producer = {v.producer().op_type for v in stashed}
+    # Softmax's output is what backward needs; h (read by Reshape's gradient for its shape only), the
+    # IsNaN mask and the Where result are not stashed: a Shape is, and the mask and result are redone.
+    assert "Softmax" in by_producer
+    assert not by_producer & {"MatMul", "IsNaN", "Where"}, sorted(by_producer)
+    assert "Shape" in by_producer
+    # backward gets the shape as an input of known rank (a Scan body may need it to type its outputs)
+    assert all(list(v.shape) == [2] for v in stashed if v.producer().op_type == "Shape")
+    assert {"IsNaN", "Where"} <= {n.op_type for n in split.backward.graph}
+
+    forward_inputs = [x, w1, w2]
+    forward_outputs = _run(split.forward, forward_inputs)
+    np.testing.assert_allclose(forward_outputs[0], want[0], rtol=1e-6)
+    grads = _run(split.backward, [dy] + [forward_outputs[i] for i in split.stashed_outputs]
+                 + [forward_inputs[j] for j in split.reused_inputs])
+    for got, expected in zip(grads, want[1:]):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

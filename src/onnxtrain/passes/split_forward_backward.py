@@ -51,6 +51,17 @@ def _ancestors(roots: Iterable[ir.Value]) -> set[ir.Node]:
 # Ops cheap enough to redo in backward when all they read are forward inputs, initializers or constants.
 RECOMPUTE_OPS = frozenset({"Transpose", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast", "Identity",
                            "Constant"})
+# Ops redone in backward, instead of stashed, when everything they read is at hand there anyway (forward
+# inputs, constants, or values stashed for other reasons): one pass over memory saves a whole activation.
+# E.g. the mask and result of ``Where(IsNaN(p), 0, p)`` after an attention softmax, from ``p`` alone, or
+# ``0.5 * x`` and ``1 + t`` in GPT-2's GELU. Transcendental ops (Gelu, Tanh, Erf) are not redone: their
+# cost shows in the step time.
+REMATERIALIZE_OPS = RECOMPUTE_OPS | frozenset({
+    "IsNaN", "IsInf", "Not", "And", "Or", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
+    "Where", "Neg", "Expand", "Add", "Sub", "Mul", "Div", "Relu",
+})
+# Ops that read only their input's shape: run in forward, they stash a few integers instead of a tensor.
+SHAPE_OPS = frozenset({"Shape", "Size"})
 
 
 def _crossing(bwd_list, forward_nodes, fwd_input_index, seeds) -> list[ir.Value]:
@@ -68,45 +79,110 @@ def _crossing(bwd_list, forward_nodes, fwd_input_index, seeds) -> list[ir.Value]
     return crossing
 
 
-def _recompute_cheap(crossing, forward_nodes, bwd_list, leaves) -> list[ir.Node]:
-    """Clone the cheap forward chains behind ``crossing`` values into backward; rewire backward to them."""
-    memo: dict[ir.Value, bool] = {}
+def _is_onnx(node: ir.Node, ops: frozenset[str]) -> bool:
+    return node.op_type in ops and node.domain in ("", "ai.onnx")
 
-    def cheap(v: ir.Value | None) -> bool:
-        if v is None or v in leaves:
+
+def _shapes_into_forward(bwd_list: list[ir.Node], forward_nodes: set[ir.Node]) -> list[ir.Node]:
+    """Move backward ``Shape``/``Size`` nodes that read forward values into forward; the rest of backward."""
+    moved = [n for n in bwd_list if _is_onnx(n, SHAPE_OPS) and n.inputs[0] is not None
+             and n.inputs[0].producer() in forward_nodes]
+    forward_nodes.update(moved)
+    for node in moved:  # backward receives the result as an input: give it its type and static shape
+        out = node.outputs[0]
+        out.type = ir.TensorType(ir.DataType.INT64)
+        if out.shape is None:
+            out.shape = _shape_output_shape(node)
+    return [n for n in bwd_list if n not in forward_nodes]
+
+
+def _shape_output_shape(node: ir.Node) -> ir.Shape | None:
+    """``Size``: a scalar. ``Shape``: one dimension, as long as the kept part of the input's rank."""
+    if node.op_type == "Size":
+        return ir.Shape([])
+    rank = None if node.inputs[0].shape is None else len(node.inputs[0].shape)
+    if rank is None:
+        return None
+    start = node.attributes.get_int("start", 0)
+    end = node.attributes.get_int("end", rank)
+    start, end = (max(0, min(rank, k + rank if k < 0 else k)) for k in (start, end))
+    return ir.Shape([max(0, end - start)])
+
+
+class _Recompute:
+    """Clones forward nodes into backward so that backward reads their inputs instead of their outputs."""
+
+    def __init__(self, forward_nodes: set[ir.Node], leaves: set[ir.Value]):
+        self.forward_nodes, self.leaves = forward_nodes, leaves
+        self.clones: dict[ir.Value, ir.Value] = {}
+        self.cloned: list[ir.Node] = []  # in creation order, which is topological
+        self._cheap: dict[ir.Value, bool] = {}
+
+    def cheap(self, v: ir.Value | None) -> bool:
+        """Computable in backward from forward inputs and constants by layout ops alone."""
+        if v is None or v in self.leaves:
             return True
-        if v not in memo:
+        if v not in self._cheap:
             node = v.producer()
-            memo[v] = (node is not None and node in forward_nodes and node.op_type in RECOMPUTE_OPS
-                       and node.domain in ("", "ai.onnx") and all(cheap(i) for i in node.inputs))
-        return memo[v]
+            self._cheap[v] = (node is not None and node in self.forward_nodes and _is_onnx(node, RECOMPUTE_OPS)
+                              and all(self.cheap(i) for i in node.inputs))
+        return self._cheap[v]
 
-    clones: dict[ir.Value, ir.Value] = {}
-    cloned: list[ir.Node] = []
-
-    def clone(v: ir.Value | None) -> ir.Value | None:
-        if v is None or v in leaves:
+    def clone(self, v: ir.Value | None, keep: set[ir.Value] = frozenset()) -> ir.Value | None:
+        """The backward copy of ``v``; values in ``keep`` (and leaves) are read as they are."""
+        if v is None or v in self.leaves or v in keep:
             return v
-        if v not in clones:
+        if v not in self.clones:
             node = v.producer()
-            inputs = [clone(i) for i in node.inputs]
+            inputs = [self.clone(i, keep) for i in node.inputs]
             attributes = [ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()]
             copy = ir.Node(node.domain, node.op_type, inputs, attributes=attributes,
-                           num_outputs=len(node.outputs), name=f"{node.name}/recomputed")
+                           num_outputs=len(node.outputs), name=_clone_name(node, len(self.cloned)))
             for old, new in zip(node.outputs, copy.outputs):
                 new.name, new.type, new.shape = old.name, old.type, old.shape
-                clones[old] = new
-            cloned.append(copy)
-        return clones[v]
+                self.clones[old] = new
+            self.cloned.append(copy)
+        return self.clones[v]
 
-    targets = [v for v in crossing if v.producer() is not None and cheap(v)]
+    def rematerializable(self, v: ir.Value, available: set[ir.Value]) -> bool:
+        """Produced in forward by a cheap op whose inputs backward has anyway (or can make cheaply)."""
+        node = v.producer()
+        return (node is not None and node in self.forward_nodes and _is_onnx(node, REMATERIALIZE_OPS)
+                and all(i is None or i in available or self.cheap(i) for i in node.inputs))
+
+    def rewire(self, bwd_list: list[ir.Node]) -> None:
+        for node in bwd_list:
+            for i, v in enumerate(node.inputs):
+                if v in self.clones:
+                    node.replace_input_with(i, self.clones[v])
+
+
+def _clone_name(node: ir.Node, k: int) -> str:
+    return f"{node.name}/recomputed" if node.name else f"{node.op_type}/recomputed_{k}"
+
+
+def _recompute(bwd_list, forward_nodes, fwd_input_index, seeds, leaves) -> list[ir.Node]:
+    """``bwd_list`` with forward work redone in front of it where that shrinks what is stashed:
+
+    1. layout chains from forward inputs and constants (a weight's ``Transpose``), so that forward keeps
+       fusing them and no copy of the weight is stashed;
+    2. cheap ops whose inputs are all stashed anyway (or are forward inputs or constants). One round
+       suffices: redoing them makes no new value cross, so no other op's inputs become available.
+    """
+    recompute = _Recompute(forward_nodes, leaves)
+    crossing = _crossing(bwd_list, forward_nodes, fwd_input_index, seeds)
+    for v in crossing:
+        if v.producer() is not None and recompute.cheap(v):
+            recompute.clone(v)
+    recompute.rewire(bwd_list)
+    crossing = _crossing(recompute.cloned + bwd_list, forward_nodes, fwd_input_index, seeds)
+    available = set(crossing)
+    targets = [v for v in crossing if v not in fwd_input_index and recompute.rematerializable(v, available)]
+    keep = available - set(targets)
     for v in targets:
-        clone(v)
-    for node in bwd_list:
-        for i, v in enumerate(node.inputs):
-            if v in clones:
-                node.replace_input_with(i, clones[v])
-    return cloned
+        recompute.clone(v, keep)
+    recompute.rewire(recompute.cloned + bwd_list)
+    return recompute.cloned + bwd_list
 
 
 def _fresh_copy(value: ir.Value) -> ir.Value:
@@ -124,13 +200,15 @@ def split_forward_backward(model: ir.Model, num_forward_outputs: int, num_output
     backward_nodes = _ancestors(grads) - forward_nodes
     ordered = list(graph)
     backward_nodes.update(n for n in ordered if n not in forward_nodes and any(o in grads for o in n.outputs))
-    fwd_list = [n for n in ordered if n in forward_nodes]
     bwd_list = [n for n in ordered if n in backward_nodes]
     for node in bwd_list:
         for v in node.inputs:
             producer = None if v is None else v.producer()
             if producer is not None and producer not in forward_nodes and producer not in backward_nodes:
                 raise AssertionError(f"split: {v.name} is produced outside both graphs")
+    bwd_list = _shapes_into_forward(bwd_list, forward_nodes)
+    backward_nodes -= forward_nodes
+    fwd_list = [n for n in ordered if n in forward_nodes]
 
     initializers = dict(graph.initializers)
     graph.remove(ordered, safe=False)
@@ -141,8 +219,7 @@ def split_forward_backward(model: ir.Model, num_forward_outputs: int, num_output
     # What backward reads from the forward side, after moving cheap layout chains over.
     fwd_input_index = {v: i for i, v in enumerate(fwd_inputs)}
     leaves = set(fwd_input_index) | {v for v in initializers.values() if v.producer() is None}
-    crossing = _crossing(bwd_list, forward_nodes, fwd_input_index, seeds)
-    bwd_list = _recompute_cheap(crossing, forward_nodes, bwd_list, leaves) + bwd_list
+    bwd_list = _recompute(bwd_list, forward_nodes, fwd_input_index, seeds, leaves)
     backward_nodes.update(bwd_list)
     crossing = _crossing(bwd_list, forward_nodes, fwd_input_index, seeds)
 
