@@ -47,7 +47,3 @@ def batch_norm_functional(input, weight=None, bias=None, running_mean=None, runn
     new_var = op.Add(op.Mul(running_var, keep), op.Mul(unbiased, take))
     return out, save_mean, save_rstd, new_mean, new_var
 
-
-TRANSLATIONS = {
-    torch.ops.aten._native_batch_norm_legit_functional.default: batch_norm_functional,
-}

@@ -19,7 +19,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from onnxtrain.capture.batchnorm import TRANSLATIONS
+from onnxtrain.capture.translations import TRANSLATIONS
 from onnxtrain.capture.flatten import Spec, flatten, unflatten
 
 logger = logging.getLogger("onnxtrain.capture")
@@ -105,7 +105,7 @@ _EXPORTERS = {
 def _export_dynamo(wrapper: FlatModule, flat: list[torch.Tensor], verbose: bool) -> ir.Model:
     auto = torch.export.Dim.AUTO
     shapes = tuple({axis: auto for axis in dynamic_axes(t)} for t in flat)
-    with _quiet(verbose):
+    with _quiet(verbose), _decompose_only_when_needed():
         program = torch.onnx.export(
             wrapper, tuple(flat), dynamo=True, dynamic_shapes=(shapes,), optimize=False,
             custom_translation_table=TRANSLATIONS, opset_version=OPSET, verbose=verbose,
@@ -125,6 +125,65 @@ def _export_torchscript(wrapper: FlatModule, flat: list[torch.Tensor], verbose: 
         )
     proto = onnx.load_from_string(buffer.getvalue())
     return ir.from_proto(proto)
+
+
+@contextlib.contextmanager
+def _decompose_only_when_needed():
+    """Skip torch.onnx's decomposition step when it would change nothing.
+
+    The exporter re-traces the whole exported program to decompose the ATen ops it has no translation
+    for (about 1-1.5 s of BERT-small's first step), even when there are none. When every op in the
+    program has a translation and nothing in it mutates or is a higher-order op (which that re-trace
+    would functionalize or lower), the program is handed on as it is. This reaches into the exporter's
+    internals; if they are not as expected, the exporter runs unchanged.
+    """
+    try:
+        from torch.onnx._internal.exporter import _decomp, _fx_passes
+        original = _fx_passes.decompose_with_registry
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def decompose(program, registry):
+        try:
+            translated = set(_decomp.get_onnx_implemented_overloads(registry))
+            needed = _needs_decomposition(program, translated)
+        except Exception as exc:  # noqa: BLE001 - any surprise in the internals: decompose as usual
+            logger.debug("decomposition check failed (%s); decomposing", exc)
+            needed = True
+        logger.debug("torch.onnx decomposition %s", "runs" if needed else "skipped: nothing to decompose")
+        return original(program, registry) if needed else program
+
+    _fx_passes.decompose_with_registry = decompose
+    try:
+        yield
+    finally:
+        _fx_passes.decompose_with_registry = original
+
+
+_ASSERTIONS = frozenset({"aten::sym_constrain_range_for_size", "aten::_assert_async", "aten::_assert_scalar",
+                         "aten::_assert_tensor_metadata"})
+
+
+def _needs_decomposition(program: torch.export.ExportedProgram, translated: set) -> bool:
+    """Whether some call in ``program`` is an ATen op without translation, mutates, or is not an op."""
+    for module in program.graph_module.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            return True
+        for node in module.graph.nodes:
+            if node.op in ("placeholder", "output", "get_attr"):
+                continue
+            if node.op != "call_function":
+                return True
+            target = node.target
+            if isinstance(target, torch._ops.OpOverload):
+                if target.name().split(".")[0] in _ASSERTIONS:  # the exporter drops these after decomposing
+                    continue
+                if target not in translated or target._schema.is_mutable:
+                    return True
+            elif target not in translated and getattr(target, "__module__", None) not in ("_operator", "operator"):
+                return True
+    return False
 
 
 @contextlib.contextmanager

@@ -1,0 +1,74 @@
+"""Translations the dynamo exporter uses in place of its own, or in place of decomposing an op.
+
+- ``aten._native_batch_norm_legit_functional``: training-mode BatchNorm (:mod:`.batchnorm`).
+- ``aten.to`` (dtype, device, dtype_layout), ``aten.__and__`` and ``aten.diff``: the training IR that ``torch.export``
+  produces keeps these, and the exporter has no translation for them, so it would re-trace the whole
+  program to decompose them (``to`` into ``_to_copy``, ``__and__`` into ``bitwise_and``, ``diff`` into
+  slices). Translated
+  directly, a program made of translated ops needs no decomposition at all
+  (:func:`onnxtrain.capture.export._decompose_only_when_needed`).
+"""
+
+from __future__ import annotations
+
+import torch
+from onnxscript import opset18 as op
+
+from onnxtrain.capture.batchnorm import batch_norm_functional
+
+
+def _cast(self, dtype):
+    """A Cast where the dtype changes, else the tensor itself (the session owns devices)."""
+    if dtype is None or dtype == -1 or (self.dtype is not None and int(self.dtype) == int(dtype)):
+        return op.Identity(self)
+    return op.Cast(self, to=int(dtype))
+
+
+# One function per overload: the exporter passes the schema's positional arguments by position.
+def to_dtype(self, dtype: int = -1, non_blocking: bool = False, copy: bool = False, memory_format: str = ""):
+    """``to.dtype(self, dtype, non_blocking, copy, memory_format)``"""
+    return _cast(self, dtype)
+
+
+def to_device(self, device: str = "", dtype: int = -1, non_blocking: bool = False, copy: bool = False,
+              memory_format: str = ""):
+    """``to.device(self, device, dtype, non_blocking, copy, memory_format)``"""
+    return _cast(self, dtype)
+
+
+def to_dtype_layout(self, dtype: int = -1, layout: str = "", device: str = "", pin_memory: bool = False,
+                    non_blocking: bool = False, copy: bool = False, memory_format: str = ""):
+    """``to.dtype_layout(self, *, dtype, layout, device, pin_memory, non_blocking, copy, memory_format)``"""
+    return _cast(self, dtype)
+
+
+def logical_and(self, other):
+    """``a & b``: And on booleans, BitwiseAnd on integers."""
+    dtype = self.dtype if self.dtype is not None else other.dtype
+    if dtype is not None and dtype.is_integer():
+        return op.BitwiseAnd(self, other)
+    return op.And(self, other)
+
+
+def diff(self, n: int = 1, dim: int = -1, prepend=None, append=None):
+    """``torch.diff``: ``x[1:] - x[:-1]`` along ``dim``, ``n`` times (xor for booleans)."""
+    parts = [t for t in (prepend, self, append) if t is not None]
+    x = op.Concat(*parts, axis=dim) if len(parts) > 1 else self
+    axes = op.Constant(value_ints=[dim])
+    one, zero = op.Constant(value_ints=[1]), op.Constant(value_ints=[0])
+    last, end = op.Constant(value_ints=[-1]), op.Constant(value_ints=[2**63 - 1])
+    boolean = self.dtype is not None and self.dtype == self.dtype.BOOL
+    for _ in range(n):
+        later, earlier = op.Slice(x, one, end, axes), op.Slice(x, zero, last, axes)
+        x = op.Xor(later, earlier) if boolean else op.Sub(later, earlier)
+    return x
+
+
+TRANSLATIONS = {
+    torch.ops.aten._native_batch_norm_legit_functional.default: batch_norm_functional,
+    torch.ops.aten.to.dtype: to_dtype,
+    torch.ops.aten.to.device: to_device,
+    torch.ops.aten.to.dtype_layout: to_dtype_layout,
+    torch.ops.aten.__and__.Tensor: logical_and,
+    torch.ops.aten.diff.default: diff,
+}
