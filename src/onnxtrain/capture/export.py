@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -127,6 +128,9 @@ def _export_torchscript(wrapper: FlatModule, flat: list[torch.Tensor], verbose: 
     return ir.from_proto(proto)
 
 
+_PATCH_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _decompose_only_when_needed():
     """Skip torch.onnx's decomposition step when it would change nothing.
@@ -139,26 +143,29 @@ def _decompose_only_when_needed():
     """
     try:
         from torch.onnx._internal.exporter import _decomp, _fx_passes
-        original = _fx_passes.decompose_with_registry
+        _fx_passes.decompose_with_registry  # noqa: B018 - is the hook still there?
     except (ImportError, AttributeError):
         yield
         return
 
-    def decompose(program, registry):
-        try:
-            translated = set(_decomp.get_onnx_implemented_overloads(registry))
-            needed = _needs_decomposition(program, translated)
-        except Exception as exc:  # noqa: BLE001 - any surprise in the internals: decompose as usual
-            logger.debug("decomposition check failed (%s); decomposing", exc)
-            needed = True
-        logger.debug("torch.onnx decomposition %s", "runs" if needed else "skipped: nothing to decompose")
-        return original(program, registry) if needed else program
+    with _PATCH_LOCK:  # one export at a time: two threads must not save or restore each other's patch
+        original = _fx_passes.decompose_with_registry
 
-    _fx_passes.decompose_with_registry = decompose
-    try:
-        yield
-    finally:
-        _fx_passes.decompose_with_registry = original
+        def decompose(program, registry):
+            try:
+                translated = set(_decomp.get_onnx_implemented_overloads(registry))
+                needed = _needs_decomposition(program, translated)
+            except Exception as exc:  # noqa: BLE001 - any surprise in the internals: decompose as usual
+                logger.debug("decomposition check failed (%s); decomposing", exc)
+                needed = True
+            logger.debug("torch.onnx decomposition %s", "runs" if needed else "skipped: nothing to decompose")
+            return original(program, registry) if needed else program
+
+        _fx_passes.decompose_with_registry = decompose
+        try:
+            yield
+        finally:
+            _fx_passes.decompose_with_registry = original
 
 
 _ASSERTIONS = frozenset({"aten::sym_constrain_range_for_size", "aten::_assert_async", "aten::_assert_scalar",
