@@ -80,17 +80,48 @@ def _pad_axis(g: GradContext, t: ir.Value, axis: int, rank: int, before: ir.Valu
     return g.b.Pad(t, g.b.Concat(*parts, axis=0))
 
 
-def _scatter_add_rows(g: GradContext, shape: ir.Value, rows: ir.Value, updates: ir.Value, like: ir.Value):
-    """Zeros of ``shape`` with ``updates[i]`` added into row ``rows[i, 0]`` (repeated rows add up)."""
+def _scatter_add_rows(g: GradContext, shape: ir.Value, rows: ir.Value, updates: ir.Value, like: ir.Value,
+                      rank: int):
+    """Zeros of ``shape`` (rank ``rank``) with ``updates[i]`` added into row ``rows[i, 0]``; repeated rows
+    add up.
+
+    ScatterElements, not ScatterND: onnxruntime's CPU ScatterND(reduction="add") updates rows from
+    several threads at once, so rows that repeat (an embedding's token ids, BERT's all-zero token types)
+    lose updates, differently from run to run (onnxruntime issue #18048). ScatterElements adds in one
+    pass; its indices are the rows spread to ``updates``' shape (int64, twice the size of ``updates``).
+    """
     b = g.b
     if g.opset >= SCATTER_ADD_OPSET:
-        return b.ScatterND(_zeros(g, shape, like), rows, updates, reduction="add")
+        spread = b.Expand(b.Reshape(rows, b.ints([-1] + [1] * (rank - 1))), b.Shape(updates))
+        return b.ScatterElements(_zeros(g, shape, like), spread, updates, axis=0, reduction="add")
     # Before opset 16 ScatterND cannot add: sum with a one-hot matrix (memory: rows x shape[0]).
     depth = b.Gather(shape, b.ints(0))
     onehot = b.OneHot(b.Reshape(rows, b.ints([-1])), depth,
                       b.const(np.array([0, 1], dtype=like.dtype.numpy())), axis=-1)
     flat = b.Reshape(updates, b.Concat(b.Gather(b.Shape(updates), b.ints([0])), b.ints([-1]), axis=0))
     return b.Reshape(b.MatMul(b.Transpose(onehot, perm=[1, 0]), flat), shape)
+
+
+def _scatter_add_nd(g: GradContext, x: ir.Value, shape: ir.Value, rank: int, index: ir.Value, depth: int,
+                    updates: ir.Value) -> ir.Value:
+    """ScatterND(zeros of ``shape``, ``index`` [..., depth], ``updates``, reduction="add") made exact:
+    the index tuples become row numbers of ``shape`` seen as [prod(shape[:depth]), *shape[depth:]] and
+    go through :func:`_scatter_add_rows` (see there why not ScatterND)."""
+    b = g.b
+    index = b.Cast(index, to=ir.DataType.INT64) if index.dtype != ir.DataType.INT64 else index
+    row = None
+    for j in range(depth):
+        size = b.Gather(shape, b.ints([j]))
+        column = b.Gather(index, b.ints([j]), axis=-1)  # [..., 1]
+        column = b.Where(b.Less(column, b.ints(0)), b.Add(column, size), column)
+        row = column if row is None else b.Add(b.Mul(row, size), column)
+    rows = b.Reshape(row, b.ints([-1, 1]))
+    head = b.ReduceProd(b.Slice(shape, b.ints([0]), b.ints([depth])), keepdims=1)
+    tail = b.Slice(shape, b.ints([depth]), b.ints([INT64_MAX]))
+    flat_shape = b.Concat(head, tail, axis=0)
+    flat_updates = b.Reshape(updates, b.Concat(b.ints([-1]), tail, axis=0))
+    flat = _scatter_add_rows(g, flat_shape, rows, flat_updates, x, 1 + rank - depth)
+    return b.Reshape(flat, shape)
 
 
 def _require_scatter_add(g: GradContext) -> None:
@@ -100,6 +131,16 @@ def _require_scatter_add(g: GradContext) -> None:
             f"{SCATTER_ADD_OPSET}); the model uses opset {g.opset}. Convert it with "
             f"onnx.version_converter.convert_version(model, {SCATTER_ADD_OPSET}) first."
         )
+
+
+def _static_last_dim(value: ir.Value) -> int | None:
+    """The last dimension of ``value`` if it is a known integer (GatherND's index depth), else None.
+
+    Without it the GatherND gradient keeps ScatterND, whose repeated indices may lose updates on CPU."""
+    shape = value.shape
+    if shape is None or len(shape) == 0 or not isinstance(shape[-1], int):
+        return None
+    return shape[-1]
 
 
 def _non_negative(g: GradContext, indices: ir.Value, size: ir.Value) -> ir.Value:
@@ -247,9 +288,9 @@ def grad_gather(g: GradContext):
     post = [_dims(g, x, axis + 1, rank)] if axis + 1 < rank else []
     updates = b.Reshape(dy, b.Concat(*pre, b.ints([-1]), *post, axis=0))
     if axis == 0:
-        return _scatter_add_rows(g, shape, rows, updates, x), None
+        return _scatter_add_rows(g, shape, rows, updates, x, rank), None
     perm = [axis] + [i for i in range(rank) if i != axis]
-    moved = _scatter_add_rows(g, b.Gather(shape, b.ints(perm)), rows, b.Transpose(updates, perm=perm), x)
+    moved = _scatter_add_rows(g, b.Gather(shape, b.ints(perm)), rows, b.Transpose(updates, perm=perm), x, rank)
     return b.Transpose(moved, perm=[int(i) for i in np.argsort(perm)]), None
 
 
@@ -268,9 +309,12 @@ def grad_gather_nd(g: GradContext):
     b = g.b
     _require_scatter_add(g)
     batch = g.attr("batch_dims", 0)
-    if batch == 0:
-        return b.ScatterND(g.zeros_like(x), indices, dy, reduction="add"), None
     rank = _rank(g, x)
+    depth = _static_last_dim(indices)
+    if batch == 0:
+        if depth is not None:
+            return _scatter_add_nd(g, x, b.Shape(x), rank, indices, depth, dy), None
+        return b.ScatterND(g.zeros_like(x), indices, dy, reduction="add"), None
     k = b.Gather(b.Shape(indices), b.ints([-1]))  # index tuple length
     n = b.ReduceProd(_dims(g, x, 0, batch), keepdims=1)  # no axes: all, at every opset
     flat_x_shape = b.Concat(n, _dims(g, x, batch, rank), axis=0)
@@ -281,7 +325,10 @@ def grad_gather_nd(g: GradContext):
     idx = b.Concat(b.Expand(batch_col, ones_col), idx, axis=-1)  # [n, m, 1 + k]
     slice_dims = b.Slice(b.Shape(x), b.Add(k, b.ints([batch])), b.ints([INT64_MAX]))
     updates = b.Reshape(dy, b.Concat(n, b.ints([-1]), slice_dims, axis=0))
-    flat = b.ScatterND(_zeros(g, flat_x_shape, x), idx, updates, reduction="add")
+    if depth is not None:
+        flat = _scatter_add_nd(g, x, flat_x_shape, 1 + rank - batch, idx, 1 + depth, updates)
+    else:
+        flat = b.ScatterND(_zeros(g, flat_x_shape, x), idx, updates, reduction="add")
     return b.Reshape(flat, b.Shape(x)), None
 
 
