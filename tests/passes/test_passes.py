@@ -92,25 +92,27 @@ def test_optimize_folds_shape_computations_and_keeps_outputs():
     np.testing.assert_allclose(_run(model, {"x": x})[0], _run(proto, {"x": x})[0])
 
 
+def _split_and_check(training: onnx.ModelProto, forward_inputs: list[np.ndarray], dy: np.ndarray):
+    """Split ``training`` (one output, one output gradient); its two graphs must give what it gives."""
+    want = _run(training, [*forward_inputs, dy])
+    split = split_forward_backward(ir.from_proto(training), num_forward_outputs=1, num_output_grads=1)
+    forward_outputs = _run(split.forward, forward_inputs)
+    np.testing.assert_allclose(forward_outputs[0], want[0], rtol=1e-6)
+    grads = _run(split.backward, [dy] + [forward_outputs[i] for i in split.stashed_outputs]
+                 + [forward_inputs[j] for j in split.reused_inputs])
+    assert len(grads) == len(want) - 1
+    for got, expected in zip(grads, want[1:]):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    return split
+
+
 def test_split_forward_backward_matches_the_training_graph():
     training = gradient_model(_mlp(weights_as_initializers=False), wrt=["x", "w1", "w2"])
     x = RNG.standard_normal((5, 4)).astype(np.float32)
     w1 = RNG.standard_normal((4, 8)).astype(np.float32)
     w2 = RNG.standard_normal((8, 3)).astype(np.float32)
-    dy = RNG.standard_normal((5, 3)).astype(np.float32)
-    want = _run(training, [x, w1, w2, dy])
-
-    split = split_forward_backward(ir.from_proto(training), num_forward_outputs=1, num_output_grads=1)
-    forward_inputs = [x, w1, w2]
-    forward_outputs = _run(split.forward, forward_inputs)
-    np.testing.assert_allclose(forward_outputs[0], want[0], rtol=1e-6)
+    split = _split_and_check(training, [x, w1, w2], RNG.standard_normal((5, 3)).astype(np.float32))
     assert split.num_stashed >= 1  # tanh and softmax outputs are kept, not recomputed from x
-    backward_inputs = ([dy] + [forward_outputs[i] for i in split.stashed_outputs]
-                       + [forward_inputs[j] for j in split.reused_inputs])
-    grads = _run(split.backward, backward_inputs)
-    assert len(grads) == 3
-    for got, expected in zip(grads, want[1:]):
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     backward_ops = {n.op_type for n in split.backward.graph}
     assert "Tanh" not in backward_ops and "Softmax" not in backward_ops  # nothing forward is recomputed
 
@@ -144,10 +146,7 @@ def test_split_stashes_shapes_not_tensors_and_redoes_cheap_ops_on_stashed_values
     x = RNG.standard_normal((5, 4)).astype(np.float32)
     w1 = RNG.standard_normal((4, 6)).astype(np.float32)
     w2 = RNG.standard_normal((3, 5)).astype(np.float32)
-    dy = RNG.standard_normal((10, 5)).astype(np.float32)
-    want = _run(training, [x, w1, w2, dy])
-
-    split = split_forward_backward(ir.from_proto(training), num_forward_outputs=1, num_output_grads=1)
+    split = _split_and_check(training, [x, w1, w2], RNG.standard_normal((10, 5)).astype(np.float32))
     outputs = list(split.forward.graph.outputs)
     stashed = [outputs[i] for i in split.stashed_outputs]
     by_producer = {v.producer().op_type for v in stashed}
@@ -159,11 +158,3 @@ def test_split_stashes_shapes_not_tensors_and_redoes_cheap_ops_on_stashed_values
     # backward gets the shape as an input of known rank (a Scan body may need it to type its outputs)
     assert all(list(v.shape) == [2] for v in stashed if v.producer().op_type == "Shape")
     assert {"IsNaN", "Where"} <= {n.op_type for n in split.backward.graph}
-
-    forward_inputs = [x, w1, w2]
-    forward_outputs = _run(split.forward, forward_inputs)
-    np.testing.assert_allclose(forward_outputs[0], want[0], rtol=1e-6)
-    grads = _run(split.backward, [dy] + [forward_outputs[i] for i in split.stashed_outputs]
-                 + [forward_inputs[j] for j in split.reused_inputs])
-    for got, expected in zip(grads, want[1:]):
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
