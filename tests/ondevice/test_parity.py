@@ -7,12 +7,17 @@ parameters differ by a few ulps times the step count, far below 1e-4 of the loss
 
 from __future__ import annotations
 
+import json
+import warnings
+
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
 
 from onnxtrain import artifacts
+from onnxtrain.ondevice.api import TRAINING_METADATA_KEY
 from onnxtrain.utils import chunks
 from tests.ondevice.helpers import (
     CNN,
@@ -233,3 +238,19 @@ def test_bert_cross_entropy_adamw_matches_torch(tmp_path):
     theirs = torch_losses(ref, torch.optim.AdamW([params[n] for n in trainable], lr=1e-3),
                           torch.nn.functional.cross_entropy, batches)
     assert_losses_close(ours, theirs, RTOL)
+
+
+def test_training_models_of_an_earlier_format_warn(mlp, tmp_path):
+    _, path = mlp
+    paths = generate(path, tmp_path, requires_grad=_params(mlp[0]), loss="crossentropy", optimizer="adamw")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the current format: no warning
+        load(paths, lr=1e-2)
+    model = onnx.load(paths.training_model)
+    (entry,) = [p for p in model.metadata_props if p.key == TRAINING_METADATA_KEY]
+    meta = json.loads(entry.value)
+    del meta["format"]  # as written before the format was recorded
+    entry.value = json.dumps(meta)
+    onnx.save(model, paths.training_model)
+    with pytest.warns(UserWarning, match="generate the artifacts again"):
+        load(paths, lr=1e-2)

@@ -41,6 +41,7 @@ from onnxtrain.blocks.loss import (
     MSELoss,
 )
 from onnxtrain.ondevice import checkpoint as ckpt
+from onnxtrain.ondevice.api import TRAINING_METADATA_KEY, TRAINING_MODEL_FORMAT
 from onnxtrain.passes.expand_cross_entropy import (
     ExpandCrossEntropyPass,
     expand_cross_entropy,
@@ -48,7 +49,6 @@ from onnxtrain.passes.expand_cross_entropy import (
 from onnxtrain.passes.optimize import OptimizePass
 from onnxtrain.utils.io import load_model, save_model_atomic
 
-TRAINING_METADATA_KEY = "onnxtrain.training"
 
 
 class LossType(enum.Enum):
@@ -287,7 +287,7 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict) -> onnx.ModelP
     grads = add_gradient_outputs(model, wrt, [loss_value], names=info["trainable"])
     ExpandCrossEntropyPass()(model)
     meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen")}
-    model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training",
+    model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training", "format": TRAINING_MODEL_FORMAT,
                                                               "gradients": [g.name for g in grads]})
     return ir_version_for_onnxruntime(ir.to_proto(model))
 
