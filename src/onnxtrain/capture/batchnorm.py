@@ -46,4 +46,3 @@ def batch_norm_functional(input, weight=None, bias=None, running_mean=None, runn
     new_mean = op.Add(op.Mul(running_mean, keep), op.Mul(save_mean, take))
     new_var = op.Add(op.Mul(running_var, keep), op.Mul(unbiased, take))
     return out, save_mean, save_rstd, new_mean, new_var
-

@@ -20,8 +20,8 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from onnxtrain.capture.translations import TRANSLATIONS
 from onnxtrain.capture.flatten import Spec, flatten, unflatten
+from onnxtrain.capture.translations import TRANSLATIONS
 
 logger = logging.getLogger("onnxtrain.capture")
 

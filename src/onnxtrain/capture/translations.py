@@ -1,12 +1,11 @@
 """Translations the dynamo exporter uses in place of its own, or in place of decomposing an op.
 
 - ``aten._native_batch_norm_legit_functional``: training-mode BatchNorm (:mod:`.batchnorm`).
-- ``aten.to`` (dtype, device, dtype_layout), ``aten.__and__`` and ``aten.diff``: the training IR that ``torch.export``
-  produces keeps these, and the exporter has no translation for them, so it would re-trace the whole
-  program to decompose them (``to`` into ``_to_copy``, ``__and__`` into ``bitwise_and``, ``diff`` into
-  slices). Translated
-  directly, a program made of translated ops needs no decomposition at all
-  (:func:`onnxtrain.capture.export._decompose_only_when_needed`).
+- ``aten.to`` (dtype, device, dtype_layout), ``aten.__and__`` and ``aten.diff``: the training IR that
+  ``torch.export`` produces keeps these, and the exporter has no translation for them, so it would
+  re-trace the whole program to decompose them (``to`` into ``_to_copy``, ``__and__`` into
+  ``bitwise_and``, ``diff`` into slices). Translated directly, a program made of translated ops needs no
+  decomposition at all (:func:`onnxtrain.capture.export._decompose_only_when_needed`).
 """
 
 from __future__ import annotations

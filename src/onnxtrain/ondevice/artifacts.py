@@ -50,7 +50,6 @@ from onnxtrain.passes.optimize import OptimizePass
 from onnxtrain.utils.io import load_model, save_model_atomic
 
 
-
 class LossType(enum.Enum):
     """The built-in losses (as in onnxruntime.training.artifacts.LossType)."""
 
