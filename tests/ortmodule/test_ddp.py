@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,11 @@ def _worker(rank: int, port: int, out_path: str):
             torch.save(model.module.state_dict(), out_path)
     finally:
         dist.destroy_process_group()
+    # Done and saved: leave without the interpreter's teardown, which once aborted a worker after a
+    # successful run ("terminate called without an active exception"; see tests/hf/ddp_train.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:
