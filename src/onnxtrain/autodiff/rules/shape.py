@@ -108,12 +108,10 @@ def _scatter_add_nd(g: GradContext, x: ir.Value, shape: ir.Value, rank: int, ind
     the index tuples become row numbers of ``shape`` seen as [prod(shape[:depth]), *shape[depth:]] and
     go through :func:`_scatter_add_rows` (see there why not ScatterND)."""
     b = g.b
-    index = b.Cast(index, to=ir.DataType.INT64) if index.dtype != ir.DataType.INT64 else index
     row = None
     for j in range(depth):
         size = b.Gather(shape, b.ints([j]))
-        column = b.Gather(index, b.ints([j]), axis=-1)  # [..., 1]
-        column = b.Where(b.Less(column, b.ints(0)), b.Add(column, size), column)
+        column = _non_negative(g, b.Gather(index, b.ints([j]), axis=-1), size)  # [..., 1], int64
         row = column if row is None else b.Add(b.Mul(row, size), column)
     rows = b.Reshape(row, b.ints([-1, 1]))
     head = b.ReduceProd(b.Slice(shape, b.ints([0]), b.ints([depth])), keepdims=1)
