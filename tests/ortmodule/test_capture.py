@@ -1,4 +1,5 @@
-"""Capture: the translations that spare the exporter its decomposition re-trace, checked against PyTorch."""
+"""Capture: the shortcuts through torch.onnx's exporter (lazy translation registry, translations that spare
+it the decomposition re-trace), checked against the exporter's own registry and against PyTorch."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from onnxtrain import DebugOptions, ORTModule
 from onnxtrain.capture import export as capture_export
+from onnxtrain.capture.registry import lazy_registry
 
 
 class UsesTranslatedOps(torch.nn.Module):
@@ -44,8 +46,8 @@ def _decomposition_record(monkeypatch) -> list[bool]:
     seen: list[bool] = []
     original = capture_export._needs_decomposition
 
-    def record(program, translated):
-        seen.append(original(program, translated))
+    def record(program, registry):
+        seen.append(original(program, registry))
         return seen[-1]
 
     monkeypatch.setattr(capture_export, "_needs_decomposition", record)
@@ -71,3 +73,51 @@ def test_decomposition_runs_only_when_an_op_needs_it_and_results_match_torch(mon
     x2, mask2 = torch.randn(7, 6), torch.randint(0, 3, (7, 6))
     torch.testing.assert_close(model(x2, mask2), reference(x2, mask2), rtol=1e-5, atol=1e-5)
     assert model.export_count == 1
+
+
+def _contents(registry) -> dict:
+    return {key: [(m.onnx_function, m.fx_target, m.is_custom, m.is_complex, m.opset_introduced) for m in metas]
+            for key, metas in registry.functions.items()}
+
+
+@pytest.mark.parametrize("opset", [capture_export.OPSET, 23])
+def test_lazy_registry_holds_what_the_exporters_registry_holds(opset):
+    """Every op: the same translations, in the same order, as ``ONNXRegistry.from_torchlib`` builds."""
+    from torch.onnx._internal.exporter import _registration
+
+    lazy = lazy_registry(_registration.ONNXRegistry, opset)
+    assert lazy.get_decomps(torch.ops.aten.addmm.default)  # a lookup builds only that op's entries
+    assert len(lazy.functions._pending) == len(lazy.functions) - 1
+    eager = _registration.ONNXRegistry.from_torchlib(opset)
+    assert lazy.opset_version == eager.opset_version == opset
+    want, got = _contents(eager), _contents(lazy)
+    assert len(want) > 300
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key] == want[key], key
+        assert [m.signature for m in lazy.get_decomps(key)] == [m.signature for m in eager.get_decomps(key)]
+
+
+def test_export_uses_the_lazy_registry_and_builds_only_the_ops_it_translates(monkeypatch):
+    from torch.onnx._internal.exporter import _registration
+
+    made = []
+    original = capture_export.lazy_registry
+
+    def record(cls, opset):
+        made.append(original(cls, opset))
+        return made[-1]
+
+    monkeypatch.setattr(capture_export, "lazy_registry", record)
+    torch.manual_seed(0)
+    reference = UsesTranslatedOps()
+    model = ORTModule(copy.deepcopy(reference), DebugOptions(fallback=False))
+    x, mask = torch.randn(4, 6), torch.randint(0, 3, (4, 6))
+    torch.testing.assert_close(model(x, mask), reference(x, mask), rtol=1e-5, atol=1e-5)
+    assert len(made) == 1
+    functions = made[0].functions
+    built = len(functions) - len(functions._pending)
+    assert 0 < built < 60 < len(functions)
+    # outside an export the exporter's own registry is back
+    assert not isinstance(_registration.ONNXRegistry.from_torchlib(capture_export.OPSET).functions,
+                          type(functions))

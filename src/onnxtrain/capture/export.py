@@ -21,6 +21,7 @@ import onnx_ir as ir
 import torch
 
 from onnxtrain.capture.flatten import Spec, flatten, unflatten
+from onnxtrain.capture.registry import lazy_registry, registry_key
 from onnxtrain.capture.translations import TRANSLATIONS
 
 logger = logging.getLogger("onnxtrain.capture")
@@ -106,7 +107,7 @@ _EXPORTERS = {
 def _export_dynamo(wrapper: FlatModule, flat: list[torch.Tensor], verbose: bool) -> ir.Model:
     auto = torch.export.Dim.AUTO
     shapes = tuple({axis: auto for axis in dynamic_axes(t)} for t in flat)
-    with _quiet(verbose), _decompose_only_when_needed():
+    with _quiet(verbose), _exporter_shortcuts():
         program = torch.onnx.export(
             wrapper, tuple(flat), dynamo=True, dynamic_shapes=(shapes,), optimize=False,
             custom_translation_table=TRANSLATIONS, opset_version=OPSET, verbose=verbose,
@@ -132,48 +133,59 @@ _PATCH_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _decompose_only_when_needed():
-    """Skip torch.onnx's decomposition step when it would change nothing.
+def _exporter_shortcuts():
+    """Skip work of torch.onnx's exporter that changes nothing for this export.
 
-    The exporter re-traces the whole exported program to decompose the ATen ops it has no translation
-    for (about 1-1.5 s of BERT-small's first step), even when there are none. When every op in the
-    program has a translation and nothing in it mutates or is a higher-order op (which that re-trace
-    would functionalize or lower), the program is handed on as it is. This reaches into the exporter's
-    internals; if they are not as expected, the exporter runs unchanged.
+    - Its registry of translations is built lazily (:mod:`onnxtrain.capture.registry`): 0.5-0.7 s.
+    - Its decomposition step re-traces the whole exported program to decompose the ATen ops it has no
+      translation for (about 1-1.5 s of BERT-small's first step), even when there are none. When every op
+      in the program has a translation and nothing in it mutates or is a higher-order op (which that
+      re-trace would functionalize or lower), the program is handed on as it is.
+
+    Both reach into the exporter's internals; where they are not as expected, the exporter runs unchanged.
     """
     try:
-        from torch.onnx._internal.exporter import _decomp, _fx_passes
-        _fx_passes.decompose_with_registry  # noqa: B018 - is the hook still there?
-    except (ImportError, AttributeError):
+        from torch.onnx._internal.exporter import _fx_passes, _registration
+        original_decompose = _fx_passes.decompose_with_registry
+        original_registry = _registration.ONNXRegistry.__dict__["from_torchlib"].__func__
+    except (ImportError, AttributeError, KeyError):
         yield
         return
 
-    with _PATCH_LOCK:  # one export at a time: two threads must not save or restore each other's patch
-        original = _fx_passes.decompose_with_registry
+    def from_torchlib(cls, opset_version=None):
+        opset = opset_version if opset_version is not None else _registration._constants.TORCHLIB_OPSET
+        try:
+            return lazy_registry(cls, opset)
+        except Exception as exc:  # noqa: BLE001 - any surprise in the internals: the exporter's own registry
+            logger.debug("lazy translation registry unavailable (%s)", exc)
+            return original_registry(cls, opset)
 
-        def decompose(program, registry):
-            try:
-                translated = set(_decomp.get_onnx_implemented_overloads(registry))
-                needed = _needs_decomposition(program, translated)
-            except Exception as exc:  # noqa: BLE001 - any surprise in the internals: decompose as usual
-                logger.debug("decomposition check failed (%s); decomposing", exc)
-                needed = True
-            logger.debug("torch.onnx decomposition %s", "runs" if needed else "skipped: nothing to decompose")
-            return original(program, registry) if needed else program
+    def decompose(program, registry):
+        try:
+            needed = _needs_decomposition(program, registry)
+        except Exception as exc:  # noqa: BLE001 - any surprise in the internals: decompose as usual
+            logger.debug("decomposition check failed (%s); decomposing", exc)
+            needed = True
+        logger.debug("torch.onnx decomposition %s", "runs" if needed else "skipped: nothing to decompose")
+        return original_decompose(program, registry) if needed else program
 
+    with _PATCH_LOCK:  # one export at a time: two threads must not save or restore each other's patches
+        _registration.ONNXRegistry.from_torchlib = classmethod(from_torchlib)
         _fx_passes.decompose_with_registry = decompose
         try:
             yield
         finally:
-            _fx_passes.decompose_with_registry = original
+            _fx_passes.decompose_with_registry = original_decompose
+            _registration.ONNXRegistry.from_torchlib = classmethod(original_registry)
 
 
 _ASSERTIONS = frozenset({"aten::sym_constrain_range_for_size", "aten::_assert_async", "aten::_assert_scalar",
                          "aten::_assert_tensor_metadata"})
 
 
-def _needs_decomposition(program: torch.export.ExportedProgram, translated: set) -> bool:
-    """Whether some call in ``program`` is an ATen op without translation, mutates, or is not an op."""
+def _needs_decomposition(program: torch.export.ExportedProgram, registry) -> bool:
+    """Whether some call in ``program`` is an ATen op without translation in ``registry``, mutates, or is
+    not an op."""
     for module in program.graph_module.modules():
         if not isinstance(module, torch.fx.GraphModule):
             return True
@@ -186,9 +198,10 @@ def _needs_decomposition(program: torch.export.ExportedProgram, translated: set)
             if isinstance(target, torch._ops.OpOverload):
                 if target.name().split(".")[0] in _ASSERTIONS:  # the exporter drops these after decomposing
                     continue
-                if target not in translated or target._schema.is_mutable:
+                if not registry.functions.get(registry_key(target)) or target._schema.is_mutable:
                     return True
-            elif target not in translated and getattr(target, "__module__", None) not in ("_operator", "operator"):
+            elif (not registry.functions.get(registry_key(target))
+                  and getattr(target, "__module__", None) not in ("_operator", "operator")):
                 return True
     return False
 

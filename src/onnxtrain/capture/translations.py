@@ -5,7 +5,7 @@
   ``torch.export`` produces keeps these, and the exporter has no translation for them, so it would
   re-trace the whole program to decompose them (``to`` into ``_to_copy``, ``__and__`` into
   ``bitwise_and``, ``diff`` into slices). Translated directly, a program made of translated ops needs no
-  decomposition at all (:func:`onnxtrain.capture.export._decompose_only_when_needed`).
+  decomposition at all (:func:`onnxtrain.capture.export._exporter_shortcuts`).
 """
 
 from __future__ import annotations
