@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 
+from ondevice_bench import peak_rss_mb  # VmHWM: ru_maxrss would count the driver's RSS (inherited across exec)
+
 WORKLOADS = ("mlp", "bert", "gpt2")
 MODES = ("eager", "compile", "ortmodule")
 DESCRIPTIONS = {
@@ -91,7 +93,6 @@ def make_optimizer(params, mode: str, kind: str):
 
 
 def worker(workload: str, mode: str, steps: int, warmup: int, threads: int, optimizer_kind: str = "adamw") -> dict:
-    import psutil
     import torch
 
     torch.set_num_threads(threads)
@@ -114,17 +115,10 @@ def worker(workload: str, mode: str, steps: int, warmup: int, threads: int, opti
     times = [step()[0] for _ in range(steps)]
     if mode == "ortmodule" and runner.fallback_reason is not None:
         raise RuntimeError(f"ORTModule fell back to PyTorch: {runner.fallback_reason}")
-    rss = psutil.Process().memory_info()
-    peak = getattr(rss, "peak_wset", None) or _peak_rss()
+    peak = peak_rss_mb()
     return {"workload": workload, "mode": mode, "first_s": first, "median_s": statistics.median(times),
-            "min_s": min(times), "peak_rss_mb": peak / 2**20, "first_loss": first_loss, "steps": steps,
+            "min_s": min(times), "peak_rss_mb": peak, "first_loss": first_loss, "steps": steps,
             "times": times}
-
-
-def _peak_rss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 # -- driver ---------------------------------------------------------------------------------------
