@@ -287,3 +287,33 @@ def test_an_absent_output_gradient_that_cannot_be_pruned_is_fed_as_zeros():
     (training,) = _trainings(model)
     assert set(training._backward) == {(True, False), (True, True)}  # the full graph ran, fed a zero tensor
     assert training._backward[(True, False)] is None
+
+
+def test_embedding_gradients_are_added_up_by_torch_and_match_eager():
+    """Embedding weight gradients leave the backward graph as ids and rows (passes/defer_row_scatters.py):
+    torch adds them into zeros, or, for an embedding tied to the output projection, into the projection's
+    gradient. Repeated ids, a padding row and gradient accumulation over two batches all match eager."""
+
+    class TiedLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = torch.nn.Embedding(13, 8)
+            self.pos = torch.nn.Embedding(6, 8)
+            self.kind = torch.nn.Embedding(4, 8, padding_idx=0)
+            self.head = torch.nn.Linear(8, 13, bias=False)
+            self.head.weight = self.tok.weight
+
+        def forward(self, ids):
+            h = self.tok(ids) + self.pos(torch.arange(ids.shape[1])) + self.kind(ids % 4)
+            return torch.nn.functional.cross_entropy(self.head(torch.tanh(h)).flatten(0, 1), ids.flatten())
+
+    reference, model = _pair(TiedLM)
+    batches = [torch.tensor([[3, 3, 0, 5, 3, 12], [0, 0, 7, 3, 3, 1]]), torch.randint(0, 13, (3, 6))]
+    for m in (model, reference):
+        for ids in batches:
+            m(ids).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    (training,) = _trainings(model)
+    assert sorted(s.base is None for s in training.row_scatters.scatters) == [False, True, True]
+    assert training.zero_rows  # kind's padding row: zeroed after the rows are added

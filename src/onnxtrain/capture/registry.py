@@ -119,7 +119,7 @@ def lazy_registry(cls, opset_version: int):
             try:  # as from_torchlib: a function whose signature cannot be inferred is skipped
                 metas.append(meta_type(onnx_function=function, fx_target=target, signature=None, is_custom=False,
                                        is_complex=is_complex))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("Failed to register '%s'. Skipped", target)
         return metas
 

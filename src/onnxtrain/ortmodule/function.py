@@ -12,6 +12,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from onnxtrain.ortmodule.graphs import SchemaGraphs, Training
+from onnxtrain.passes.defer_row_scatters import RowScatters
 
 
 def reseed(graphs: SchemaGraphs) -> None:
@@ -31,6 +32,7 @@ class ORTFunction(torch.autograd.Function):
         ctx.num_tensors = len(tensors)
         ctx.stashed = [outputs[i] for i in training.split.stashed_outputs]
         ctx.save_for_backward(*(tensors[j] for j in training.split.reused_inputs))
+        ctx.scatter_like = [_like(tensors[training.wrt[s.gradient]]) for s in training.row_scatters.scatters]
         visible = outputs[:n_visible]
         differentiable = set(training.differentiable_outputs)
         ctx.mark_non_differentiable(*(t for i, t in enumerate(visible) if i not in differentiable))
@@ -51,7 +53,8 @@ class ORTFunction(torch.autograd.Function):
             given = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                      for g, (shape, dtype, device) in zip(given, ctx.output_meta)]
         seeds = [_seed(g) for g in given if g is not None]
-        grads = session.run([*seeds, *ctx.stashed, *ctx.saved_tensors])
+        grads = _add_rows(session.run([*seeds, *ctx.stashed, *ctx.saved_tensors]), training.row_scatters,
+                          ctx.scatter_like)
         ctx.stashed = None  # free the activations as soon as backward is done
         result: list[torch.Tensor | None] = [None] * ctx.num_tensors
         for k, row in training.zero_rows.items():
@@ -59,6 +62,23 @@ class ORTFunction(torch.autograd.Function):
         for position, grad in zip(training.wrt, grads):
             result[position] = grad
         return (None, None, *result)
+
+
+def _like(tensor: torch.Tensor) -> tuple:
+    return tensor.shape, tensor.dtype, tensor.device
+
+
+def _add_rows(outputs: list[torch.Tensor], plan: RowScatters, like: list[tuple]) -> list[torch.Tensor]:
+    """The gradients from the backward graph's outputs: the embedding gradients' rows added up here."""
+    if not plan.scatters:
+        return outputs
+    grads: list[torch.Tensor | None] = [None] * plan.num_outputs
+    for k, position in enumerate(plan.kept):
+        grads[position] = outputs[k]
+    for scatter, (shape, dtype, device) in zip(plan.scatters, like):
+        base = outputs[scatter.base] if scatter.base is not None else torch.zeros(shape, dtype=dtype, device=device)
+        grads[scatter.gradient] = base.index_add_(0, outputs[scatter.ids], outputs[scatter.rows])
+    return grads  # type: ignore[return-value]
 
 
 def _seed(grad: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from onnxtrain.passes import (
     infer_symbolic_shapes,
     split_forward_backward,
 )
+from onnxtrain.passes.defer_row_scatters import RowScatters, defer_row_scatters
 from onnxtrain.passes.expand_cross_entropy import expand_cross_entropy
 from onnxtrain.passes.zero_inputs import CannotPrune, prune_zero_inputs
 from onnxtrain.runtime.session import TorchSession, session_options
@@ -58,6 +59,9 @@ class Training:
     wrt: list[int]  # positions in [*inputs, *state] whose gradients backward returns, in order
     differentiable_outputs: list[int]  # user outputs that take an output gradient, in order
     make_session: Callable[[onnx.ModelProto], TorchSession]
+    # How the backward graph's outputs make the gradients in ``wrt`` order (embedding gradients come
+    # out as ids and rows, which torch adds up: :mod:`onnxtrain.passes.defer_row_scatters`).
+    row_scatters: RowScatters
     # Embedding rows whose gradient PyTorch keeps at zero (``padding_idx``): the exported Gather forgets
     # it, so the bridge zeroes them. Maps a position in ``wrt`` to the row.
     zero_rows: dict[int, int] = field(default_factory=dict)
@@ -163,6 +167,7 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     if save is not None:
         save(model, "training")
     split = split_forward_backward(model, num_forward_outputs, len(seeds))
+    row_scatters = defer_row_scatters(split.backward)  # embedding gradients: torch adds the rows
     forward = ir_version_for_onnxruntime(ir.to_proto(split.forward))
     backward = ir_version_for_onnxruntime(ir.to_proto(split.backward))
     if save is not None:
@@ -173,7 +178,8 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     state = {graphs.num_inputs + i: name for i, name in enumerate(graphs.state_names)}
     zero_rows = {k: graphs.padding_rows[state[pos]] for k, pos in enumerate(wrt)
                  if state.get(pos) in graphs.padding_rows}
-    return Training(graphs._session(forward), backward, split, wrt, diff_outputs, graphs._session, zero_rows)
+    return Training(graphs._session(forward), backward, split, wrt, diff_outputs, graphs._session, row_scatters,
+                    zero_rows)
 
 
 def _free_grad_base(name: str, taken: set[str]) -> str:
