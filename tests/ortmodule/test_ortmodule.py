@@ -94,6 +94,63 @@ def test_structured_inputs_and_outputs_keep_their_structure():
     assert model.export_count == 3  # bool and None arguments are part of the schema
 
 
+def test_a_causal_lm_with_its_default_cache_trains_and_returns_the_cache():
+    """Hugging Face causal LMs return a DynamicCache unless use_cache=False: it comes back as one, with the
+    same keys and values, and loss.backward() runs a backward graph without the cache's gradients."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=models.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64)
+    assert config.use_cache
+    reference, model = _pair(lambda: LlamaForCausalLM(config))
+    for seq in (8, 13):
+        batch = models.text_batch(2, seq)
+        got, want = model(**batch), reference(**batch)
+        assert isinstance(got.past_key_values, DynamicCache)
+        for a, b in zip(got.past_key_values.layers, want.past_key_values.layers):
+            torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+        got.loss.backward()
+        want.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6, msg=name)
+    assert model.export_count == 1
+    (training,) = _trainings(model)
+    (present,) = training._backward  # only the loss's gradient reached backward
+    assert present[0] and not any(present[1:])
+
+
+def test_pytree_nodes_pass_through_as_inputs_and_outputs():
+    import dataclasses
+
+    import torch.utils._pytree as pytree
+
+    @dataclasses.dataclass
+    class Pair:
+        a: torch.Tensor
+        b: torch.Tensor
+        scale: float
+
+    pytree.register_pytree_node(Pair, lambda p: ([p.a, p.b], p.scale), lambda v, c: Pair(v[0], v[1], c))
+
+    class UsesPair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, pair):
+            h = self.fc(pair.a) * pair.scale + pair.b
+            return Pair(h, h.sum(dim=1), pair.scale)
+
+    reference, model = _pair(UsesPair)
+    for scale in (0.5, 0.5, 2.0):
+        pair = Pair(torch.randn(3, 4), torch.randn(3, 4), scale)
+        got, want = model(pair), reference(pair)
+        assert isinstance(got, Pair) and got.scale == scale
+        torch.testing.assert_close((got.a, got.b), (want.a, want.b))
+    assert model.export_count == 2  # the scale is part of the input schema
+
+
 def test_model_output_comes_back_as_model_output():
     from transformers.modeling_outputs import SequenceClassifierOutput
 

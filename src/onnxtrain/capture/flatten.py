@@ -1,18 +1,22 @@
 """Flatten nested Python structures of tensors into a flat tensor list plus a hashable spec, and back.
 
 Inputs and outputs of a ``torch.nn.Module`` may be tensors, tuples, lists, dicts, Hugging Face
-``ModelOutput``s (ordered mappings) and plain values (``None``, bools, ints, floats, strings). The spec
-records everything but the tensors, so it can key a cache: two calls with the same spec can share one
-exported graph. Plain values are part of the spec, which is why a new ``bool`` argument means a new graph.
+``ModelOutput``s (ordered mappings), plain values (``None``, bools, ints, floats, strings) and any class
+registered as a ``torch.utils._pytree`` node. Hugging Face's ``DynamicCache`` (what a causal LM returns
+as ``past_key_values`` unless ``use_cache=False``) is registered on first sight, the way transformers
+does it for ``torch.export``. The spec records everything but the tensors, so it can key a cache: two
+calls with the same spec can share one exported graph. Plain values are part of the spec, which is why a
+new ``bool`` argument means a new graph.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 _CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
@@ -41,8 +45,18 @@ class Mapping_:
     items: tuple
 
 
+@dataclass(frozen=True)
+class Node_:
+    """A registered pytree node: its children, and its context (compared in a hashable form)."""
+
+    kind: type
+    key: Any  # the context made hashable
+    items: tuple
+    context: Any = field(compare=False, hash=False)
+
+
 LEAF = Leaf()
-Spec = Leaf | Constant | Sequence_ | Mapping_
+Spec = Leaf | Constant | Sequence_ | Mapping_ | Node_
 
 
 class UnsupportedStructureError(TypeError):
@@ -69,10 +83,43 @@ def _flatten(obj: Any, tensors: list[torch.Tensor], path: str) -> Spec:
     if isinstance(obj, (tuple, list)):
         items = tuple(_flatten(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj))
         return Sequence_(type(obj), items)
+    node = _pytree_node(obj)
+    if node is not None:
+        children, context = node.flatten_fn(obj)
+        items = tuple(_flatten(v, tensors, f"{path}.<{i}>") for i, v in enumerate(children))
+        return Node_(type(obj), _hashable(context), items, context)
+    hint = " (a model cache: pass use_cache=False to train)" if "Cache" in type(obj).__name__ else ""
     raise UnsupportedStructureError(
-        f"{path} is a {type(obj).__name__}; ORTModule takes and returns tensors, tuples, lists, dicts, "
-        "ModelOutputs and plain values (None, bool, int, float, str). Convert it to one of those."
+        f"{path} is a {type(obj).__name__}{hint}; ORTModule takes and returns tensors, tuples, lists, dicts, "
+        "ModelOutputs, plain values (None, bool, int, float, str) and torch.utils._pytree nodes. Convert it "
+        "to one of those."
     )
+
+
+def _pytree_node(obj: Any):
+    """``obj``'s torch pytree registration, if any; transformers' ``DynamicCache`` is registered on first
+    sight with transformers' own functions (written for ``torch.export``)."""
+    node = pytree.SUPPORTED_NODES.get(type(obj))
+    if node is None and type(obj).__name__ == "DynamicCache" and type(obj).__module__.startswith("transformers."):
+        try:
+            from transformers.integrations.executorch import register_dynamic_cache_export_support
+            register_dynamic_cache_export_support()
+        except Exception:  # noqa: BLE001 - an older or newer transformers: unsupported, said below
+            return None
+        node = pytree.SUPPORTED_NODES.get(type(obj))
+    return node
+
+
+def _hashable(context: Any) -> Any:
+    if isinstance(context, (list, tuple)):
+        return tuple(_hashable(c) for c in context)
+    if isinstance(context, dict):
+        return tuple((k, _hashable(v)) for k, v in context.items())
+    try:
+        hash(context)
+    except TypeError:
+        return repr(context)
+    return context
 
 
 def unflatten(tensors: list[torch.Tensor] | tuple, spec: Spec) -> Any:
@@ -99,6 +146,8 @@ def _unflatten(it, spec: Spec) -> Any:
     if isinstance(spec, Mapping_):
         values = {k: _unflatten(it, s) for k, s in zip(spec.keys, spec.items)}
         return spec.kind(**values) if _takes_kwargs(spec.kind) else spec.kind(values)
+    if isinstance(spec, Node_):
+        return pytree.SUPPORTED_NODES[spec.kind].unflatten_fn([_unflatten(it, s) for s in spec.items], spec.context)
     raise TypeError(f"not a spec: {spec!r}")
 
 
@@ -131,3 +180,6 @@ def _leaf_paths(spec: Spec, path: str, paths: list[str]) -> None:
     elif isinstance(spec, Mapping_):
         for k, s in zip(spec.keys, spec.items):
             _leaf_paths(s, f"{path}.{k}" if path else str(k), paths)
+    elif isinstance(spec, Node_):
+        for i, s in enumerate(spec.items):
+            _leaf_paths(s, f"{path}.<{i}>", paths)

@@ -5,7 +5,10 @@ otherwise emits a run-time Shape/Equal/NonZero/ReduceSum chain for every such op
 shape inference names nearly every dim of a transformer (batch, sequence, heads), which removes most of
 those chains. ``auto_merge=True`` names two dims equal where the graph broadcasts one against the
 other; that is sound for graphs from ``torch.export``, which assumes dynamic dims are not 1 and guards
-broadcasts between them as equalities. A failure leaves the model as it was.
+broadcasts between them as equalities. A failure leaves the model as it was; so does an inference that
+turns a dim the exporter wrote as an expression into a number: torch.export's expressions are exact, and
+the tool's are not always (it gave a sliding-window cache ``k[:, :, -4095:]``, exported as
+``Max(0, s - Max(0, s - 4095))``, the size 4095, and backward then rejected tensors of length s).
 """
 
 from __future__ import annotations
@@ -46,4 +49,33 @@ def infer_symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     except Exception as exc:  # noqa: BLE001 - the inference is an optimization only
         logger.info("symbolic shape inference failed, shapes stay as they are: %s", exc)
         return model
-    return inferred if inferred is not None else model
+    if inferred is None:
+        return model
+    contradiction = _contradiction(model, inferred)
+    if contradiction:
+        logger.info("symbolic shape inference dropped: %s", contradiction)
+        return model
+    return inferred
+
+
+def _dims(model: onnx.ModelProto) -> dict[str, list]:
+    graph = model.graph
+    dims = {}
+    for info in (*graph.input, *graph.output, *graph.value_info):
+        if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
+            dims[info.name] = [d.dim_param if d.HasField("dim_param") else d.dim_value if d.HasField("dim_value")
+                               else None for d in info.type.tensor_type.shape.dim]
+    return dims
+
+
+def _contradiction(before: onnx.ModelProto, after: onnx.ModelProto) -> str | None:
+    """A dim that ``before`` names by a symbol or an expression and ``after`` makes a number, if any."""
+    inferred = _dims(after)
+    for name, dims in _dims(before).items():
+        new = inferred.get(name)
+        if new is None or len(new) != len(dims):
+            continue
+        for old, dim in zip(dims, new):
+            if isinstance(old, str) and old and isinstance(dim, int) and not isinstance(dim, bool):
+                return f"{name!r}: {old} became {dim}"
+    return None
