@@ -26,7 +26,7 @@ def test_incomplete_inference_writes_nothing_here(tmp_path, monkeypatch):
 
 def _last_rows(exported_dim: str):
     """y = x[-3:] + 1 on x [s, 4]; the exporter writes y's first dim as an expression of s."""
-    const = lambda name, v: helper.make_node(  # noqa: E731
+    const = lambda name, v: helper.make_node(
         "Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [1], [v]))
     nodes = [const("start", -3), const("end", 2**62), const("axis", 0),
              helper.make_node("Slice", ["x", "start", "end", "axis"], ["t"]),

@@ -102,7 +102,9 @@ def _pytree_node(obj: Any):
     node = pytree.SUPPORTED_NODES.get(type(obj))
     if node is None and type(obj).__name__ == "DynamicCache" and type(obj).__module__.startswith("transformers."):
         try:
-            from transformers.integrations.executorch import register_dynamic_cache_export_support
+            from transformers.integrations.executorch import (
+                register_dynamic_cache_export_support,
+            )
             register_dynamic_cache_export_support()
         except Exception:  # noqa: BLE001 - an older or newer transformers: unsupported, said below
             return None
