@@ -126,6 +126,37 @@ def test_model_that_outputs_its_own_loss(tmp_path):
     np.testing.assert_allclose(state.parameters["fc.weight"].grad, model.fc.weight.grad.numpy(), rtol=1e-5)
 
 
+def test_a_model_marking_stop_gradients_trains_like_torch_detach(tmp_path):
+    """An ONNX model may mark values with onnxtrain's StopGradient: no gradient flows through them, and
+    the generated models hold plain Identity nodes (any ONNX runtime can run them)."""
+    from onnx import TensorProto, helper
+
+    from onnxtrain.autodiff.registry import ONNXTRAIN_DOMAIN, STOP_GRADIENT
+
+    rng = np.random.default_rng(0)
+    w1, w2 = rng.standard_normal((4, 3)).astype(np.float32), rng.standard_normal((4, 3)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h1"]), helper.make_node("MatMul", ["x", "w2"], ["h2"]),
+             helper.make_node(STOP_GRADIENT, ["h2"], ["s"], domain=ONNXTRAIN_DOMAIN),
+             helper.make_node("Mul", ["h1", "s"], ["a"]), helper.make_node("Add", ["a", "h2"], ["out"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["n", 3])],
+                              [onnx.numpy_helper.from_array(w1, "w1"), onnx.numpy_helper.from_array(w2, "w2")])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18),
+                                                                   helper.make_opsetid(ONNXTRAIN_DOMAIN, 1)])
+    onnx.save(model, tmp_path / "sg.onnx")
+    paths = generate(tmp_path / "sg.onnx", tmp_path, requires_grad=["w1", "w2"], loss="mse")
+    for path in (paths.training_model, paths.eval_model):
+        assert STOP_GRADIENT not in {n.op_type for n in onnx.load(str(path)).graph.node}
+    x, target = rng.standard_normal((5, 4)).astype(np.float32), rng.standard_normal((5, 3)).astype(np.float32)
+    ours = _one_step(paths, x, target)
+    t1, t2 = torch.tensor(w1, requires_grad=True), torch.tensor(w2, requires_grad=True)
+    tx = torch.from_numpy(x)
+    h2 = tx @ t2
+    loss = torch.nn.functional.mse_loss((tx @ t1) * h2.detach() + h2, torch.from_numpy(target))
+    loss.backward()
+    _assert_step_matches(ours, (loss.item(), {"w1": t1.grad.numpy(), "w2": t2.grad.numpy()}))
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 

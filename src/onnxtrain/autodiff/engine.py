@@ -26,6 +26,7 @@ from onnxtrain.autodiff.registry import (
     normalize_domain,
     zeros_like,
 )
+from onnxtrain.autodiff.stop_gradient import infer_shapes
 
 # Lowest opset the rules are written for (ReduceSum/Squeeze/Unsqueeze take axes as inputs from 13).
 MIN_OPSET = 13
@@ -203,7 +204,7 @@ def prepare_model(model: onnx.ModelProto) -> onnx.ModelProto:
         model = onnx.inliner.inline_local_functions(model)
     if model.ByteSize() < 2**31 - 1:
         try:
-            model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+            model = infer_shapes(model, data_prop=True)  # StopGradient seen as Identity
         except Exception:
             pass  # shapes are a help; the engine reports precisely where one is missing and needed
     return model
@@ -375,12 +376,12 @@ def ir_version_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
 __all__ = [
     "UnsupportedOpError",
     "add_gradient_outputs",
-    "reserve_names",
     "build_gradients",
-    "gradient_model",
     "grad_name",
-    "prepare_model",
+    "gradient_model",
     "ir_version_for_onnxruntime",
+    "prepare_model",
+    "reserve_names",
     "sum_to_shape",
     "values_by_name",
 ]

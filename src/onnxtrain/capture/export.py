@@ -22,6 +22,7 @@ import torch
 
 from onnxtrain.capture.flatten import Spec, flatten, unflatten
 from onnxtrain.capture.registry import lazy_registry, registry_key
+from onnxtrain.capture.stop_gradient import mark_stop_gradients
 from onnxtrain.capture.translations import TRANSLATIONS
 
 logger = logging.getLogger("onnxtrain.capture")
@@ -90,8 +91,8 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, verbose: bool
             + "\nSimplify the forward (data-dependent control flow, unsupported ops), or run it in PyTorch."
         )
     if len(errors) == 1:
-        warnings.warn(f"the dynamo exporter failed, the TorchScript exporter was used instead: {errors[0]}",
-                      UserWarning, stacklevel=3)
+        warnings.warn(f"the dynamo exporter failed, the TorchScript exporter was used instead (gradients then "
+                      f"flow through detach() and torch.no_grad() blocks): {errors[0]}", UserWarning, stacklevel=3)
     if "output_spec" not in record:
         raise ExportError("the exporter never ran the module's forward; cannot tell its output structure")
     return _finish(model, wrapper, record["output_spec"], flat, "dynamo" if not errors else "torchscript")
@@ -134,21 +135,27 @@ _PATCH_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def _exporter_shortcuts():
-    """Skip work of torch.onnx's exporter that changes nothing for this export.
+    """Hook into torch.onnx's exporter: mark what gradients must not flow through, and skip work that
+    changes nothing for this export.
 
+    - Before the exporter's decomposition step, ``detach()`` and ``no_grad`` blocks in the exported
+      program are marked as stop-gradient (:mod:`onnxtrain.capture.stop_gradient`).
     - Its registry of translations is built lazily (:mod:`onnxtrain.capture.registry`): 0.5-0.7 s.
     - Its decomposition step re-traces the whole exported program to decompose the ATen ops it has no
       translation for (about 1-1.5 s of BERT-small's first step), even when there are none. When every op
       in the program has a translation and nothing in it mutates or is a higher-order op (which that
       re-trace would functionalize or lower), the program is handed on as it is.
 
-    Both reach into the exporter's internals; where they are not as expected, the exporter runs unchanged.
+    These reach into the exporter's internals; where they are not as expected, the exporter runs unchanged
+    (and a warning says that gradients may then flow through ``detach()`` and ``no_grad`` blocks).
     """
     try:
         from torch.onnx._internal.exporter import _fx_passes, _registration
         original_decompose = _fx_passes.decompose_with_registry
         original_registry = _registration.ONNXRegistry.__dict__["from_torchlib"].__func__
     except (ImportError, AttributeError, KeyError):
+        warnings.warn("this torch version's ONNX exporter has no hook for onnxtrain: gradients may flow through "
+                      "detach() and torch.no_grad() blocks of the module", UserWarning, stacklevel=4)
         yield
         return
 
@@ -161,6 +168,8 @@ def _exporter_shortcuts():
             return original_registry(cls, opset)
 
     def decompose(program, registry):
+        if mark_stop_gradients(program):  # before anything else: gradients depend on it
+            logger.debug("detach() / no_grad regions marked as stop-gradient")
         try:
             needed = _needs_decomposition(program, registry)
         except Exception as exc:  # noqa: BLE001 - any surprise in the internals: decompose as usual

@@ -6,6 +6,8 @@
   re-trace the whole program to decompose them (``to`` into ``_to_copy``, ``__and__`` into
   ``bitwise_and``, ``diff`` into slices). Translated directly, a program made of translated ops needs no
   decomposition at all (:func:`onnxtrain.capture.export._exporter_shortcuts`).
+- ``onnxtrain.stop_gradient`` (``detach()``, ``no_grad`` blocks): ``StopGradient`` in the ``onnxtrain``
+  domain (:mod:`.stop_gradient`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from onnxscript import opset18 as op
 
 from onnxtrain.capture.batchnorm import batch_norm_functional
+from onnxtrain.capture.stop_gradient import translate_stop_gradient
 
 
 def _cast(self, dtype):
@@ -70,4 +73,5 @@ TRANSLATIONS = {
     torch.ops.aten.to.dtype_layout: to_dtype_layout,
     torch.ops.aten.__and__.Tensor: logical_and,
     torch.ops.aten.diff.default: diff,
+    torch.ops.onnxtrain.stop_gradient.default: translate_stop_gradient,
 }

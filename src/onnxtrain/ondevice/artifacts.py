@@ -32,6 +32,7 @@ from onnxtrain.autodiff.engine import (
     prepare_model,
     values_by_name,
 )
+from onnxtrain.autodiff.stop_gradient import strip_stop_gradients
 from onnxtrain.blocks import optim as optim_blocks
 from onnxtrain.blocks.loss import (
     BCEWithLogitsLoss,
@@ -315,8 +316,8 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     proto = prepare_model(load_model(model))
     eval_proto, info = build_eval_model(proto, requires_grad, frozen_params, loss_block,
                                         additional_output_names, loss_input_names)
-    training_proto = build_training_model(eval_proto, info)
-    eval_proto = expand_cross_entropy(eval_proto)
+    training_proto = strip_stop_gradients(build_training_model(eval_proto, info))
+    eval_proto = strip_stop_gradients(expand_cross_entropy(eval_proto))  # runnable on any ONNX runtime
 
     out_dir = Path(artifact_directory if artifact_directory is not None else os.getcwd())
     paths = Artifacts(out_dir / f"{prefix}training_model.onnx", out_dir / f"{prefix}eval_model.onnx",

@@ -23,6 +23,8 @@ from onnxtrain.autodiff.engine import (
     ir_version_for_onnxruntime,
     values_by_name,
 )
+from onnxtrain.autodiff.registry import ONNXTRAIN_DOMAIN, STOP_GRADIENT
+from onnxtrain.autodiff.stop_gradient import strip_stop_gradients
 from onnxtrain.capture import Captured
 from onnxtrain.passes import (
     ExpandCrossEntropyPass,
@@ -130,6 +132,7 @@ class SchemaGraphs:
         return self.inference
 
     def _session(self, proto: onnx.ModelProto) -> TorchSession:
+        proto = strip_stop_gradients(proto)
         return TorchSession(proto, self.device, session_options(log_severity=self.log_severity))
 
 
@@ -150,10 +153,12 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     graph = model.graph
     inputs = list(graph.inputs)
     user_outputs = list(graph.outputs[: graphs.num_outputs])
-    diff_outputs = [i for i, v in enumerate(user_outputs) if is_float(v)]
+    wanted = {v for v, flag in zip(inputs, requires_grad) if flag and is_float(v)}
+    # Outputs that no gradient can reach (ints, or values behind detach() / no_grad) do not require grad.
+    diff_outputs = [i for i, v in enumerate(user_outputs) if is_float(v) and _reaches(graph, [v]) & wanted]
     targets = [user_outputs[i] for i in diff_outputs]
     reachable = _reaches(graph, targets)
-    wrt = [i for i, (v, flag) in enumerate(zip(inputs, requires_grad)) if flag and is_float(v) and v in reachable]
+    wrt = [i for i, v in enumerate(inputs) if v in wanted and v in reachable]
 
     # Internal names only need to be unique: seeds and gradients take free names.
     taken = set(values_by_name(graph))
@@ -193,12 +198,16 @@ def _free_grad_base(name: str, taken: set[str]) -> str:
 
 
 def _reaches(graph: ir.Graph, targets: list[ir.Value]) -> set[ir.Value]:
-    """Values from which some target can be reached (over any node)."""
+    """Values from which a gradient can reach some target (over any node but StopGradient)."""
     reach: set[ir.Value] = set(targets)
     for node in reversed(list(graph)):
-        if any(o in reach for o in node.outputs):
+        if any(o in reach for o in node.outputs) and not _is_stop_gradient(node):
             reach.update(v for v in node.inputs if v is not None)
     return reach
+
+
+def _is_stop_gradient(node: ir.Node) -> bool:
+    return node.op_type == STOP_GRADIENT and node.domain == ONNXTRAIN_DOMAIN
 
 
 class Saver:

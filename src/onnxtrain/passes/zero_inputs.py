@@ -19,6 +19,8 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common
 
+from onnxtrain.autodiff.stop_gradient import infer_shapes
+
 
 class CannotPrune(ValueError):
     """A zero input reaches a place where it cannot be removed; feed zeros instead."""
@@ -37,7 +39,7 @@ def prune_zero_inputs(proto: onnx.ModelProto, names: Sequence[str]) -> onnx.Mode
     """``proto`` without the inputs ``names`` (all zeros), shapes inferred first so that sums can be
     shown not to broadcast. Raises :class:`CannotPrune`."""
     try:
-        proto = onnx.shape_inference.infer_shapes(proto)
+        proto = infer_shapes(proto)
     except Exception:  # noqa: BLE001 - shapes only widen what can be pruned
         pass
     model = ir.from_proto(proto)

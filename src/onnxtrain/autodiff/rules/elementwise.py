@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import math
 
-from onnxtrain.autodiff.registry import GradContext, RuleTable
+from onnxtrain.autodiff.registry import (
+    ONNXTRAIN_DOMAIN,
+    STOP_GRADIENT,
+    GradContext,
+    RuleTable,
+)
 
 rules = RuleTable("elementwise")
 r = rules.register
@@ -22,6 +27,7 @@ rules.no_grad(
     "BitwiseNot", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
     "Bernoulli", "Multinomial", "Constant",
 )
+rules.no_grad(STOP_GRADIENT, domain=ONNXTRAIN_DOMAIN)  # detach(), no_grad blocks
 # Their gradient is zero almost everywhere (PyTorch agrees): documented in docs/gradients.md.
 rules.zero_grad("Round", "Floor", "Ceil", "Sign")
 
