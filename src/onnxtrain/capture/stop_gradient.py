@@ -13,6 +13,9 @@ gives it no gradient, and :func:`onnxtrain.passes.stop_gradient.strip_stop_gradi
 - ``wrap_with_set_grad_enabled(False, body, *args)`` (how ``torch.export`` keeps a ``no_grad`` block) is
   inlined, its outputs passed through ``stop_gradient``. Inlining also spares the exporter the
   decomposition re-trace it would otherwise run to remove the block (4 s of a small Llama's first step).
+
+Only the program's top-level graph is rewritten; the bodies of other higher-order ops (``cond``, loops)
+are left as they are.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ def mark_stop_gradients(program: torch.export.ExportedProgram) -> bool:
     graph_module = program.graph_module
     graph = graph_module.graph
     renamed: dict[str, str] = {}  # the program's signature names its outputs: replaced nodes hand theirs on
+    changed = False
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -67,7 +71,8 @@ def mark_stop_gradients(program: torch.export.ExportedProgram) -> bool:
             _inline(graph_module, node, renamed)
         else:
             continue
-    if not renamed and graph_module.graph is graph and not _touched(graph):
+        changed = True
+    if not changed:
         return False
     for spec in program.graph_signature.output_specs:
         name = getattr(spec.arg, "name", None)
@@ -79,10 +84,6 @@ def mark_stop_gradients(program: torch.export.ExportedProgram) -> bool:
     graph.lint()
     graph_module.recompile()
     return True
-
-
-def _touched(graph: torch.fx.Graph) -> bool:
-    return any(n.op == "call_function" and n.target is torch.ops.onnxtrain.stop_gradient.default for n in graph.nodes)
 
 
 def _stop(graph: torch.fx.Graph, value: torch.fx.Node) -> torch.fx.Node:
