@@ -20,12 +20,15 @@ import time
 
 from ondevice_bench import peak_rss_mb  # VmHWM: ru_maxrss would count the driver's RSS (inherited across exec)
 
-WORKLOADS = ("mlp", "bert", "gpt2")
+WORKLOADS = ("mlp", "bert", "gpt2", "llama")
+DEFAULT_WORKLOADS = ("mlp", "bert", "gpt2")  # the issue's; llama on request
 MODES = ("eager", "compile", "ortmodule")
 DESCRIPTIONS = {
     "mlp": "MLP 784-1024-1024-10, ReLU, batch 128",
     "bert": "BertForSequenceClassification hidden 256, 4 layers, 4 heads, seq 128, batch 8",
     "gpt2": "GPT2LMHeadModel n_embd 256, 4 layers, 4 heads, seq 128, batch 4",
+    "llama": "LlamaForCausalLM hidden 256, 4 layers, 4 heads (2 KV), MLP 1024, vocab 32000, seq 128, batch 4, "
+             "default config (use_cache on)",
 }
 
 
@@ -60,6 +63,14 @@ def make_workload(name: str):
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = GPT2LMHeadModel(config)
         ids = torch.randint(0, 50257, (4, 128))
+        return model, lambda m: m(input_ids=ids, labels=ids).loss
+    if name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=32000, max_position_embeddings=256)
+        model = LlamaForCausalLM(config)
+        ids = torch.randint(0, 32000, (4, 128))
         return model, lambda m: m(input_ids=ids, labels=ids).loss
     raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
 
@@ -160,7 +171,7 @@ def report(results: list[dict]) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--steps", type=int, default=20, help="timed steps after warm-up (at least 20)")
     parser.add_argument("--warmup", type=int, default=3)

@@ -1,8 +1,9 @@
 """Every system side by side, in one invocation: PyTorch eager, torch.compile, ORTModule, on-device.
 
-    python benchmarks/run_all.py                 # all workloads, 2 threads, 20 timed steps (~10 min)
+    python benchmarks/run_all.py                 # the issue's workloads, 2 threads, 20 timed steps (~5 min)
     python benchmarks/run_all.py --rounds 3      # each system three times, interleaved (~30 min)
     python benchmarks/run_all.py --workloads bert --steps 30
+    python benchmarks/run_all.py --workloads llama --systems eager compile ortmodule   # a small Llama too
 
 Each (workload, system) runs in its own process, one after another (the workers of
 ortmodule_bench.py and ondevice_bench.py); with ``--rounds R``, R times, the systems taking turns, and
@@ -10,7 +11,8 @@ the timed steps of all rounds pooled. A step is forward + backward + AdamW, floa
 workload: median step time of each system, ratios to eager and to torch.compile, achieved GFLOP/s
 (matmul FLOPs of forward and backward per step, counted analytically: 3x the forward matmul FLOPs) and
 that as a share of the GFLOP/s of a large float32 matmul measured in the same run, first-step time and
-peak RSS. The parent imports neither torch nor onnxruntime, so each worker's peak RSS is its own.
+peak RSS (each worker's own high-water mark, VmHWM: ru_maxrss would inherit the parent's across exec,
+and the parent generates the on-device artifacts).
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ def forward_matmul_flops(workload: str) -> float:
         else:
             head = 2 * tokens * hidden * 50257  # LM head over the vocabulary
         return layers * per_layer + head
+    if workload == "llama":  # GQA: k and v project to 2 of the 4 heads; gated MLP: three matmuls
+        batch, seq, hidden, inner, kv, vocab = 4, 128, 256, 1024, 128, 32000
+        tokens = batch * seq
+        per_layer = 2 * tokens * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inner)
+        per_layer += 2 * 2 * batch * seq * seq * hidden
+        return 4 * per_layer + 2 * tokens * hidden * vocab
     raise ValueError(workload)
 
 
@@ -104,7 +112,7 @@ def merge(runs: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", default=list(ortmodule_bench.WORKLOADS),
+    parser.add_argument("--workloads", nargs="+", default=list(ortmodule_bench.DEFAULT_WORKLOADS),
                         choices=ortmodule_bench.WORKLOADS)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--steps", type=int, default=20)

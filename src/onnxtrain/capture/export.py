@@ -94,7 +94,8 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, verbose: bool
         warnings.warn(f"the dynamo exporter failed, the TorchScript exporter was used instead (gradients then "
                       f"flow through detach() and torch.no_grad() blocks): {errors[0]}", UserWarning, stacklevel=3)
     if "output_spec" not in record:
-        raise ExportError("the exporter never ran the module's forward; cannot tell its output structure")
+        raise ExportError("the exporter never ran the module's forward; cannot tell its output structure"
+                          + "".join(f"\n  {e[:2000]}" for e in errors))
     return _finish(model, wrapper, record["output_spec"], flat, "dynamo" if not errors else "torchscript")
 
 
