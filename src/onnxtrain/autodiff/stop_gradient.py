@@ -9,6 +9,8 @@ through it), and :func:`infer_shapes` infers shapes as if they were.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import onnx
 
 from onnxtrain.autodiff.registry import ONNXTRAIN_DOMAIN, STOP_GRADIENT
@@ -32,13 +34,21 @@ def strip_stop_gradients(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 def infer_shapes(model: onnx.ModelProto, **kwargs) -> onnx.ModelProto:
     """``onnx.shape_inference.infer_shapes`` on ``model``, seeing each StopGradient as an Identity."""
+    return shapes_as_identity(model, lambda m: onnx.shape_inference.infer_shapes(m, **kwargs))
+
+
+def shapes_as_identity(model: onnx.ModelProto,
+                       infer: Callable[[onnx.ModelProto], onnx.ModelProto | None]) -> onnx.ModelProto | None:
+    """``infer`` (a shape inference) run on ``model`` with each StopGradient an Identity: its result's
+    shapes on ``model``'s nodes (an Identity's output keeps the StopGradient's name). None if ``infer``
+    returns None."""
     stripped = strip_stop_gradients(model)
-    inferred = onnx.shape_inference.infer_shapes(stripped, **kwargs)
-    if stripped is model:
+    inferred = infer(stripped)
+    if stripped is model or inferred is None:
         return inferred
     result = onnx.ModelProto()
     result.CopyFrom(model)
-    for field in ("value_info", "output"):
+    for field in ("input", "output", "value_info"):
         del getattr(result.graph, field)[:]
         getattr(result.graph, field).extend(getattr(inferred.graph, field))
     return result

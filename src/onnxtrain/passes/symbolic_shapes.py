@@ -21,8 +21,7 @@ import threading
 
 import onnx
 
-from onnxtrain.autodiff.registry import ONNXTRAIN_DOMAIN, STOP_GRADIENT
-from onnxtrain.autodiff.stop_gradient import strip_stop_gradients
+from onnxtrain.autodiff.stop_gradient import shapes_as_identity
 
 logger = logging.getLogger("onnxtrain.passes")
 
@@ -46,14 +45,12 @@ def _in_scratch_directory():
 def infer_symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-    # The tool knows no StopGradient: infer on Identity nodes in their place, then put them back.
-    stops = {n.name for n in model.graph.node if n.op_type == STOP_GRADIENT and n.domain == ONNXTRAIN_DOMAIN}
-    if "" in stops:
-        return model
+    def infer(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+        return SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=False)
+
     try:
         with _in_scratch_directory():
-            inferred = SymbolicShapeInference.infer_shapes(strip_stop_gradients(model), auto_merge=True,
-                                                           guess_output_rank=False)
+            inferred = shapes_as_identity(model, infer)  # the tool knows no StopGradient
     except Exception as exc:  # noqa: BLE001 - the inference is an optimization only
         logger.info("symbolic shape inference failed, shapes stay as they are: %s", exc)
         return model
@@ -63,14 +60,6 @@ def infer_symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     if contradiction:
         logger.info("symbolic shape inference dropped: %s", contradiction)
         return model
-    if stops:
-        restored = [n for n in inferred.graph.node if n.name in stops]
-        if len(restored) != len(stops):
-            return model
-        for node in restored:
-            node.op_type, node.domain = STOP_GRADIENT, ONNXTRAIN_DOMAIN
-        del inferred.opset_import[:]
-        inferred.opset_import.extend(model.opset_import)
     return inferred
 
 
