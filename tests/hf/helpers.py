@@ -31,6 +31,16 @@ def gpt2_lm(seed=0, dropout=0.0):
     return transformers.GPT2LMHeadModel(config)
 
 
+def llama_lm(seed=0, dropout=0.0):
+    """A Llama with its default config otherwise: use_cache on, so the model returns a DynamicCache."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attention_dropout=dropout,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
 def classification_dataset(n=48, seed=0):
     """Label 1 when the first token is in the upper half of the vocabulary: learnable in a few steps.
 

@@ -19,6 +19,7 @@ from tests.hf.helpers import (
     classification_dataset,
     gpt2_lm,
     lm_dataset,
+    llama_lm,
     losses,
     require_ortmodule,
     run_in_ort,
@@ -136,6 +137,11 @@ def _argmax_logits(logits, labels):
 def test_gpt2_causal_lm(tmp_path):
     _check_train_eval_save_resume(tmp_path, "GPT-2", gpt2_lm, lm_dataset(), "causal-lm", _next_token_accuracy,
                                   preprocess_logits_for_metrics=_argmax_logits)
+
+
+def test_llama_with_its_default_cache_trains_and_evaluates_like_plain_trainer(tmp_path):
+    _check_train_eval_save_resume(tmp_path, "Llama", llama_lm, lm_dataset(), "causal-lm", _next_token_accuracy,
+                                  preprocess_logits_for_metrics=_argmax_logits, full=False)
 
 
 def test_loss_in_graph_with_gradient_accumulation_and_label_smoothing(tmp_path):
