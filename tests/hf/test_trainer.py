@@ -1,4 +1,4 @@
-"""ORTTrainer end to end on tiny random-weight BERT and GPT-2, against plain transformers.Trainer."""
+"""ORTTrainer end to end on tiny random-weight BERT, GPT-2 and Llama, against plain transformers.Trainer."""
 
 import json
 import os
