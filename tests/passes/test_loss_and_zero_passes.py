@@ -103,3 +103,26 @@ def test_dropping_a_zero_that_broadcasts_is_refused():
     PruneZeroInputsPass(["b"])(model)  # a already has the output's shape
     a = RNG.standard_normal((2, 3)).astype(np.float32)
     np.testing.assert_array_equal(_run(model, {"a": a})[0], a)
+
+
+def test_a_zero_padded_with_zeros_is_pruned_and_one_padded_with_ones_is_not():
+    """The gradient of a slice is a Pad of the slice's gradient (a model cache's k[:, -w:]): zero in, zero out."""
+    def padded(fill):
+        const = [helper.make_node("Constant", [], ["pads"], value=helper.make_tensor("p", TensorProto.INT64, [2],
+                                                                                     [2, 1]))]
+        inputs = ["a", "pads"]
+        if fill is not None:
+            const.append(helper.make_node("Constant", [], ["fill"], value=helper.make_tensor("f", TensorProto.FLOAT,
+                                                                                             [], [fill])))
+            inputs.append("fill")
+        nodes = [*const, helper.make_node("Pad", inputs, ["p"]), helper.make_node("Add", ["p", "b"], ["y"])]
+        return _model(nodes, [_f("a", [3]), _f("b", [6])], [_f("y", [6])])
+
+    feeds = {"a": np.zeros(3, np.float32), "b": RNG.standard_normal(6).astype(np.float32)}
+    for fill in (None, 0.0):
+        proto = padded(fill)
+        model = ir.from_proto(prune_zero_inputs(proto, ["a"]))
+        assert "Pad" not in [n.op_type for n in model.graph]
+        np.testing.assert_array_equal(_run(model, feeds)[0], _run(proto, feeds)[0])
+    with pytest.raises(CannotPrune, match="Pad node"):
+        prune_zero_inputs(padded(1.0), ["a"])

@@ -78,7 +78,7 @@ def _simplify(graph: ir.Graph, node: ir.Node, zero: set[ir.Value]) -> None:
     op = node.op_type if node.domain in ("", "ai.onnx") else None
     inputs = list(node.inputs)
     live = [v for v in inputs if v is not None and v not in zero]
-    if op in _ZERO_IN_ZERO_OUT and inputs[0] in zero or op in _PRODUCTS:
+    if op in _ZERO_IN_ZERO_OUT and inputs[0] in zero or op in _PRODUCTS or _pads_zeros_with_zeros(node, zero):
         zero.update(node.outputs)
     elif op in ("Add", "Sum") or (op == "Sub" and inputs[1] in zero):
         if not live:
@@ -96,6 +96,20 @@ def _simplify(graph: ir.Graph, node: ir.Node, zero: set[ir.Value]) -> None:
             raise CannotPrune(f"Sub node {node.name!r} broadcasts; dropping a zero changes its shape")
     else:
         raise CannotPrune(f"{node.op_type} node {node.name!r} reads a zero input and has no simplification")
+
+
+def _pads_zeros_with_zeros(node: ir.Node, zero: set[ir.Value]) -> bool:
+    """A Pad of a zero data input that adds zeros, or copies them (edge, reflect, wrap)."""
+    if node.op_type != "Pad" or node.domain not in ("", "ai.onnx") or node.inputs[0] not in zero:
+        return False
+    mode = node.attributes.get("mode")
+    if mode is not None and mode.value != "constant":
+        return True
+    fill = node.inputs[2] if len(node.inputs) > 2 else None
+    if fill is None or fill in zero:
+        return True
+    value = ir.convenience.get_const_tensor(fill)
+    return value is not None and not value.numpy().any()
 
 
 def _same_shape_as_output(value: ir.Value, node: ir.Node) -> bool:
