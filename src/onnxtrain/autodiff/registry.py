@@ -24,7 +24,7 @@ from onnxtrain.autodiff.builder import GraphBuilder, is_float
 ONNX_DOMAIN = ""
 MS_DOMAIN = "com.microsoft"
 # onnxtrain's own ops: ``StopGradient`` (an Identity that no gradient flows through; ORTModule marks
-# ``detach()`` and ``no_grad`` blocks with it, and :mod:`onnxtrain.passes.stop_gradient` turns it into
+# ``detach()`` and ``no_grad`` blocks with it, and :mod:`onnxtrain.autodiff.stop_gradient` turns it into
 # an Identity before a graph reaches onnxruntime).
 ONNXTRAIN_DOMAIN = "onnxtrain"
 STOP_GRADIENT = "StopGradient"

@@ -18,12 +18,12 @@ from onnxtrain.autodiff.registry import ONNXTRAIN_DOMAIN, STOP_GRADIENT
 
 def strip_stop_gradients(proto: onnx.ModelProto) -> onnx.ModelProto:
     """``proto`` with each ``StopGradient`` an ``Identity`` (the same proto if it has none)."""
-    if not any(_is_stop(n) for n in _all_nodes(proto.graph)):
+    if not any(is_stop_gradient(n) for n in _all_nodes(proto.graph)):
         return proto
     stripped = onnx.ModelProto()
     stripped.CopyFrom(proto)
     for node in _all_nodes(stripped.graph):
-        if _is_stop(node):
+        if is_stop_gradient(node):
             node.op_type, node.domain = "Identity", ""
     if not any(n.domain == ONNXTRAIN_DOMAIN for n in _all_nodes(stripped.graph)):
         keep = [o for o in stripped.opset_import if o.domain != ONNXTRAIN_DOMAIN]
@@ -54,7 +54,8 @@ def shapes_as_identity(model: onnx.ModelProto,
     return result
 
 
-def _is_stop(node: onnx.NodeProto) -> bool:
+def is_stop_gradient(node) -> bool:
+    """Whether ``node`` (an ``onnx.NodeProto`` or an ``onnx_ir.Node``) is a StopGradient."""
     return node.op_type == STOP_GRADIENT and node.domain == ONNXTRAIN_DOMAIN
 
 

@@ -205,13 +205,13 @@ def _needs_decomposition(program: torch.export.ExportedProgram, registry) -> boo
             if node.op != "call_function":
                 return True
             target = node.target
+            translated = bool(registry.functions.get(registry_key(target)))
             if isinstance(target, torch._ops.OpOverload):
                 if target.name().split(".")[0] in _ASSERTIONS:  # the exporter drops these after decomposing
                     continue
-                if not registry.functions.get(registry_key(target)) or target._schema.is_mutable:
+                if not translated or target._schema.is_mutable:
                     return True
-            elif (not registry.functions.get(registry_key(target))
-                  and getattr(target, "__module__", None) not in ("_operator", "operator")):
+            elif not translated and getattr(target, "__module__", None) not in ("_operator", "operator"):
                 return True
     return False
 

@@ -23,8 +23,7 @@ from onnxtrain.autodiff.engine import (
     ir_version_for_onnxruntime,
     values_by_name,
 )
-from onnxtrain.autodiff.registry import ONNXTRAIN_DOMAIN, STOP_GRADIENT
-from onnxtrain.autodiff.stop_gradient import strip_stop_gradients
+from onnxtrain.autodiff.stop_gradient import is_stop_gradient, strip_stop_gradients
 from onnxtrain.capture import Captured
 from onnxtrain.passes import (
     ExpandCrossEntropyPass,
@@ -201,13 +200,10 @@ def _reaches(graph: ir.Graph, targets: list[ir.Value]) -> set[ir.Value]:
     """Values from which a gradient can reach some target (over any node but StopGradient)."""
     reach: set[ir.Value] = set(targets)
     for node in reversed(list(graph)):
-        if any(o in reach for o in node.outputs) and not _is_stop_gradient(node):
+        if any(o in reach for o in node.outputs) and not is_stop_gradient(node):
             reach.update(v for v in node.inputs if v is not None)
     return reach
 
-
-def _is_stop_gradient(node: ir.Node) -> bool:
-    return node.op_type == STOP_GRADIENT and node.domain == ONNXTRAIN_DOMAIN
 
 
 class Saver:

@@ -81,6 +81,6 @@ def _contradiction(before: onnx.ModelProto, after: onnx.ModelProto) -> str | Non
         if new is None or len(new) != len(dims):
             continue
         for old, dim in zip(dims, new):
-            if isinstance(old, str) and old and isinstance(dim, int) and not isinstance(dim, bool):
+            if isinstance(old, str) and old and isinstance(dim, int):
                 return f"{name!r}: {old} became {dim}"
     return None

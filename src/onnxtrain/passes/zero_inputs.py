@@ -78,7 +78,8 @@ def _simplify(graph: ir.Graph, node: ir.Node, zero: set[ir.Value]) -> None:
     op = node.op_type if node.domain in ("", "ai.onnx") else None
     inputs = list(node.inputs)
     live = [v for v in inputs if v is not None and v not in zero]
-    if op in _ZERO_IN_ZERO_OUT and inputs[0] in zero or op in _PRODUCTS or _pads_zeros_with_zeros(node, zero):
+    if (op in _ZERO_IN_ZERO_OUT and inputs[0] in zero or op in _PRODUCTS
+            or op == "Pad" and inputs[0] in zero and _pads_with_zeros(node, zero)):
         zero.update(node.outputs)
     elif op in ("Add", "Sum") or (op == "Sub" and inputs[1] in zero):
         if not live:
@@ -98,10 +99,8 @@ def _simplify(graph: ir.Graph, node: ir.Node, zero: set[ir.Value]) -> None:
         raise CannotPrune(f"{node.op_type} node {node.name!r} reads a zero input and has no simplification")
 
 
-def _pads_zeros_with_zeros(node: ir.Node, zero: set[ir.Value]) -> bool:
-    """A Pad of a zero data input that adds zeros, or copies them (edge, reflect, wrap)."""
-    if node.op_type != "Pad" or node.domain not in ("", "ai.onnx") or node.inputs[0] not in zero:
-        return False
+def _pads_with_zeros(node: ir.Node, zero: set[ir.Value]) -> bool:
+    """Whether a Pad of zeros gives zeros: it adds zeros, or copies its input (edge, reflect, wrap)."""
     mode = node.attributes.get("mode")
     if mode is not None and mode.value != "constant":
         return True
