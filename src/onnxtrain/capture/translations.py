@@ -6,6 +6,8 @@
   re-trace the whole program to decompose them (``to`` into ``_to_copy``, ``__and__`` into
   ``bitwise_and``, ``diff`` into slices). Translated directly, a program made of translated ops needs no
   decomposition at all (:func:`onnxtrain.capture.export._exporter_shortcuts`).
+- ``aten.scaled_dot_product_attention``: a training translation (attention dropout applied, fully
+  masked rows zero as in PyTorch, no NaN guard; :mod:`.attention`).
 - ``onnxtrain.stop_gradient`` (``detach()``, ``no_grad`` blocks): ``StopGradient`` in the ``onnxtrain``
   domain (:mod:`.stop_gradient`).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 from onnxscript import opset18 as op
 
+from onnxtrain.capture.attention import scaled_dot_product_attention
 from onnxtrain.capture.batchnorm import batch_norm_functional
 from onnxtrain.capture.stop_gradient import translate_stop_gradient
 
@@ -73,5 +76,6 @@ TRANSLATIONS = {
     torch.ops.aten.to.dtype_layout: to_dtype_layout,
     torch.ops.aten.__and__.Tensor: logical_and,
     torch.ops.aten.diff.default: diff,
+    torch.ops.aten.scaled_dot_product_attention.default: scaled_dot_product_attention,
     torch.ops.onnxtrain.stop_gradient.default: translate_stop_gradient,
 }
