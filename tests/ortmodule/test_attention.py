@@ -4,6 +4,7 @@ grouped-query heads, custom scale, and attention dropout (which the exporter's o
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -107,3 +108,33 @@ def test_attention_dropout_is_applied_and_its_gradient_uses_the_same_mask():
     (want * weights).sum().backward()
     for (name, a), b in zip(reference.named_parameters(), model.module.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class BroadcastMask(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 3 * HEADS * HEAD_DIM)
+
+    def forward(self, x, mask):  # mask: [B, 1, S, S], broadcast over the heads
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_a_size_one_axis_that_broadcasts_exports_with_the_dynamo_exporter():
+    """torch.export fails with the mask's size-1 head axis dynamic; the retry keeps it static."""
+    torch.manual_seed(0)
+    reference = BroadcastMask()
+    model = ORTModule(copy.deepcopy(reference), DebugOptions(fallback=False))
+    for batch in (3, 2):
+        x, mask = torch.randn(batch, 5, 8), torch.rand(batch, 1, 5, 5) > 0.3
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no TorchScript fallback
+            got = model(x, mask)
+        want = reference(x, mask)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        got.sum().backward()
+        want.sum().backward()
+    for (name, p), q in zip(reference.named_parameters(), model.module.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert model.export_count == 1  # the batch axis stayed dynamic

@@ -35,6 +35,17 @@ class ExportError(RuntimeError):
     """Both exporters failed; the message carries both reasons."""
 
 
+class _Record(dict):
+    """A dict that copies as itself: torch.export restores the attributes of the module it traced with
+    copies of them afterwards, and what forward wrote during a later export must still reach us."""
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 class FlatModule(torch.nn.Module):
     """``forward(*tensors)`` -> ``(*output tensors, *buffer values)`` around ``module``."""
 
@@ -43,8 +54,7 @@ class FlatModule(torch.nn.Module):
         self.module = module
         self.input_spec = input_spec
         self.buffer_names = buffer_names
-        # The output structure is recorded in a plain dict: exporters undo module attribute changes.
-        self.record: dict[str, Spec] = {}
+        self.record = _Record()  # the output structure, written by forward while an exporter traces it
 
 
     def forward(self, *tensors):
@@ -76,7 +86,7 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, verbose: bool
     flat, input_spec = flatten((tuple(args), dict(kwargs)))
     buffer_names = [name for name, _ in module.named_buffers(remove_duplicate=False)]
     wrapper = FlatModule(module, input_spec, buffer_names)
-    record = wrapper.record  # torch.export restores the wrapper's attributes afterwards: keep this one
+    record = wrapper.record
     errors = []
     for label in _EXPORTERS:
         try:
@@ -107,8 +117,21 @@ _EXPORTERS = {
 
 
 def _export_dynamo(wrapper: FlatModule, flat: list[torch.Tensor], verbose: bool) -> ir.Model:
+    try:
+        return _export_dynamo_with(wrapper, flat, verbose, dynamic_ones=True)
+    except Exception:
+        # A size-1 axis made dynamic can stop torch.export where the module broadcasts it (a [B, 1, L, S]
+        # attention mask against the heads). Such axes are broadcast axes more often than batch axes: keep
+        # them static and try once more (another size there then exports a graph of its own).
+        if not any(t.shape[axis] == 1 for t in flat for axis in dynamic_axes(t)):
+            raise
+        logger.info("export with size-1 axes dynamic failed; retrying with them static")
+        return _export_dynamo_with(wrapper, flat, verbose, dynamic_ones=False)
+
+
+def _export_dynamo_with(wrapper: FlatModule, flat: list[torch.Tensor], verbose: bool, dynamic_ones: bool) -> ir.Model:
     auto = torch.export.Dim.AUTO
-    shapes = tuple({axis: auto for axis in dynamic_axes(t)} for t in flat)
+    shapes = tuple({axis: auto for axis in dynamic_axes(t) if dynamic_ones or t.shape[axis] != 1} for t in flat)
     with _quiet(verbose), _exporter_shortcuts():
         program = torch.onnx.export(
             wrapper, tuple(flat), dynamo=True, dynamic_shapes=(shapes,), optimize=False,
