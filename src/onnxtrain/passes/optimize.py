@@ -4,6 +4,14 @@ Gradient rules need shape arguments (Slice starts/axes, Reshape shapes, Unsqueez
 the exporter computes many of them from ``Shape`` ops at run time. Folding them is safe for training only
 once the parameters are graph inputs (see ``initializers_to_inputs``): nothing derived from a weight can be
 folded into a constant then.
+
+This is onnxscript's ``optimize_ir`` with a smaller rule set: the algebraic clean-ups that shrink the
+graph the gradient is built from (``x * 1``, ``x + 0``, no-op Slices, Casts, Expands and Transposes,
+chained Reshapes, Transposes and Unsqueezes). Its default set adds inference fusions (BatchNorm into
+Conv, Pad into Conv, Relu/Clip chains, optional biases) that never fired on the models we train, while
+the rewriter tries every rule on every node (84% of the pass's time on BERT-small). The same graphs come
+out for BERT, GPT-2 and Llama; the pass takes GPT-2-small 0.47 -> 0.40 s, a small Llama 0.71-0.85 ->
+0.58-0.68 s (BERT-small 0.35 s before and after, within noise).
 """
 
 from __future__ import annotations
@@ -11,10 +19,23 @@ from __future__ import annotations
 import logging
 
 import onnx_ir as ir
-import onnxscript.optimizer
+from onnx_ir.passes import common
+from onnxscript.optimizer import constant_folding
+from onnxscript.rewriter import RewritePass
+from onnxscript.rewriter.rules import common as rules
 
 # The folder logs a warning for each node it cannot evaluate (and leaves it as is): not the user's concern.
-_FOLDING_LOG = logging.getLogger("onnxscript.optimizer._constant_folding")
+_FOLDING_LOG = logging.getLogger(constant_folding.__name__)
+
+CLEANUP_RULES = (
+    rules.mul_by_1_rule, rules.add_0_rule, rules.sub_0_rule, rules.div_by_1_rule,
+    rules.dropout_zero_rule, rules.dropout_inference_rule,
+    rules.collapse_slice_rule, rules.collapse_slice2_rule, rules.slice_split_rule,
+    rules.cast_cast_rule, rules.no_op_cast_rule, rules.no_op_expand_rule, rules.no_op_transpose_rule,
+    rules.reshape_reshape_rule, rules.transpose_transpose_rule, rules.unsqueeze_unsqueeze_rule,
+    rules.squeeze_reshape_1d_rule, rules.flatten_to_reshape_rule, rules.materialize_reshape_shape_rule,
+    rules.cast_constant_of_shape_rule, rules.cast_constant_of_shape_without_value_rule,
+)
 
 
 class OptimizePass(ir.passes.InPlacePass):
@@ -22,7 +43,33 @@ class OptimizePass(ir.passes.InPlacePass):
         level = _FOLDING_LOG.level
         _FOLDING_LOG.setLevel(logging.ERROR)
         try:
-            onnxscript.optimizer.optimize_ir(model, num_iterations=2)
+            _optimize(model)
         finally:
             _FOLDING_LOG.setLevel(level)
         return ir.passes.PassResult(model, modified=True)
+
+
+def _optimize(model: ir.Model) -> None:
+    loop = ir.passes.PassManager(
+        [
+            constant_folding.FoldConstantsPass(shape_inference=True, input_size_limit=8192,
+                                               output_size_limit=262144),
+            RewritePass(list(CLEANUP_RULES)),
+            common.RemoveUnusedNodesPass(),
+            common.RemoveUnusedFunctionsPass(),
+            common.RemoveUnusedOpsetsPass(),
+        ],
+        steps=2,
+        early_stop=True,
+    )
+    ir.passes.Sequential(
+        common.InlinePass(),
+        loop,
+        common.RemoveUnusedNodesPass(),
+        common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common.LiftSubgraphInitializersToMainGraphPass(),
+        common.DeduplicateInitializersPass(),
+        common.CommonSubexpressionEliminationPass(),
+        common.OutputFixPass(),
+        common.NameFixPass(),
+    )(model)
