@@ -21,6 +21,7 @@ import onnx_ir as ir
 import torch
 
 from onnxtrain.capture.flatten import Spec, flatten, unflatten
+from onnxtrain.capture.promotion import needs_type_promotion
 from onnxtrain.capture.registry import lazy_registry, registry_key
 from onnxtrain.capture.stop_gradient import mark_stop_gradients
 from onnxtrain.capture.translations import TRANSLATIONS
@@ -170,12 +171,16 @@ def _exporter_shortcuts():
       in the program has a translation and nothing in it mutates or is a higher-order op (which that
       re-trace would functionalize or lower), the program is handed on as it is.
 
+    - Its type-promotion pass re-runs the program on fake tensors to find implicit promotions; it runs
+      only where the values recorded in the program show one (:mod:`onnxtrain.capture.promotion`).
+
     These reach into the exporter's internals; where they are not as expected, the exporter runs unchanged
     (and a warning says that gradients may then flow through ``detach()`` and ``no_grad`` blocks).
     """
     try:
         from torch.onnx._internal.exporter import _fx_passes, _registration
         original_decompose = _fx_passes.decompose_with_registry
+        original_promote = _fx_passes.insert_type_promotion_nodes
         original_registry = _registration.ONNXRegistry.__dict__["from_torchlib"].__func__
     except (ImportError, AttributeError, KeyError):
         warnings.warn("this torch version's ONNX exporter has no hook for onnxtrain: gradients may flow through "
@@ -202,12 +207,24 @@ def _exporter_shortcuts():
         logger.debug("torch.onnx decomposition %s", "runs" if needed else "skipped: nothing to decompose")
         return original_decompose(program, registry) if needed else program
 
+    def promote(graph_module):
+        try:
+            needed = needs_type_promotion(graph_module)
+        except Exception as exc:  # noqa: BLE001 - any surprise in the internals: run the pass
+            logger.debug("type promotion check failed (%s); running the pass", exc)
+            needed = True
+        logger.debug("torch.onnx type promotion %s", "runs" if needed else "skipped: nothing to promote")
+        if needed:
+            original_promote(graph_module)
+
     with _PATCH_LOCK:  # one export at a time: two threads must not save or restore each other's patches
         _registration.ONNXRegistry.from_torchlib = classmethod(from_torchlib)
         _fx_passes.decompose_with_registry = decompose
+        _fx_passes.insert_type_promotion_nodes = promote
         try:
             yield
         finally:
+            _fx_passes.insert_type_promotion_nodes = original_promote
             _fx_passes.decompose_with_registry = original_decompose
             _registration.ONNXRegistry.from_torchlib = classmethod(original_registry)
 
