@@ -23,6 +23,7 @@ from onnxtrain.capture import capture, flatten, unflatten
 from onnxtrain.ortmodule.function import ORTFunction, reseed
 from onnxtrain.ortmodule.graphs import Saver, SchemaGraphs, build_training, prepare
 from onnxtrain.ortmodule.options import FALLBACK_ENV, DebugOptions
+from onnxtrain.utils.gc import young_objects_only
 
 logger = logging.getLogger("onnxtrain.ortmodule")
 
@@ -96,7 +97,13 @@ class ORTModule(torch.nn.Module):
         for entry in entries:
             if entry.matches(tensors):
                 return entry
-        tag = f"s{self._schema_ids.setdefault(key, len(self._schema_ids))}_{len(entries)}"
+        with young_objects_only():  # the export's object churn would otherwise make the collector walk it all
+            graphs = self._export(key, len(entries), args, kwargs, tensors)
+        entries.append(graphs)
+        return graphs
+
+    def _export(self, key, index: int, args, kwargs, tensors) -> SchemaGraphs:
+        tag = f"s{self._schema_ids.setdefault(key, len(self._schema_ids))}_{index}"
         logger.info("exporting %s for a new input schema (%s)", type(self.module).__name__, tag)
         with _no_side_effects(self.module):
             captured = capture(self.module, args, kwargs,
@@ -112,7 +119,6 @@ class ORTModule(torch.nn.Module):
         graphs.saver = saver
         if saver is not None:
             saver(graphs.base, "inference")
-        entries.append(graphs)
         return graphs
 
     def _training_for(self, graphs: SchemaGraphs, tensors: list[torch.Tensor], state: list[torch.Tensor]):
@@ -124,7 +130,8 @@ class ORTModule(torch.nn.Module):
             return None
         training = graphs.training.get(flags)
         if training is None:
-            training = build_training(graphs, list(flags), graphs.saver)
+            with young_objects_only():
+                training = build_training(graphs, list(flags), graphs.saver)
             graphs.training[flags] = training
         return training
 
