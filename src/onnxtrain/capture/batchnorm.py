@@ -9,7 +9,6 @@ It uses only ReduceMean/Sub/Mul/Add/Sqrt/Reciprocal/Reshape, which have gradient
 
 from __future__ import annotations
 
-import torch
 from onnxscript import opset18 as op
 
 

@@ -170,10 +170,8 @@ def _exporter_shortcuts(keep_stack_traces: bool = False):
       translation for (about 1-1.5 s of BERT-small's first step), even when there are none. When every op
       in the program has a translation and nothing in it mutates or is a higher-order op (which that
       re-trace would functionalize or lower), the program is handed on as it is.
-
     - Its type-promotion pass re-runs the program on fake tensors to find implicit promotions; it runs
       only where the values recorded in the program show one (:mod:`onnxtrain.capture.promotion`).
-
     - torch.fx records the Python stack of every traced op, only for reading the graph later: not
       recorded unless ``keep_stack_traces`` (verbose exports). BERT-small's export, warm, 0.66-0.70 ->
       0.60-0.61 s, and no source lines of every module on the way kept in ``linecache``.
@@ -222,8 +220,8 @@ def _exporter_shortcuts(keep_stack_traces: bool = False):
             original_promote(graph_module)
 
     fx_config = getattr(torch.fx, "config", None)
-    stack_traces = getattr(fx_config, "do_not_emit_stack_traces", None)
     with _PATCH_LOCK:  # one export at a time: two threads must not save or restore each other's patches
+        stack_traces = getattr(fx_config, "do_not_emit_stack_traces", None)
         _registration.ONNXRegistry.from_torchlib = classmethod(from_torchlib)
         _fx_passes.decompose_with_registry = decompose
         _fx_passes.insert_type_promotion_nodes = promote
