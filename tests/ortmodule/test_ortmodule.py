@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 import pickle
 
 import pytest
@@ -303,6 +304,38 @@ def _trainings(model: ORTModule):
     return [t for entries in model._cache.values() for graphs in entries for t in graphs.training.values()]
 
 
+def test_a_padded_table_looked_up_twice_and_tied_to_the_projection_matches_eager():
+    """BART's layout: one table with padding_idx, looked up by an encoder and a decoder embedding and used
+    as the output projection. PyTorch leaves the lookups' rows at the padding id out of the gradient and
+    keeps the projection's; ORTModule once added them all (a warning said so)."""
+
+    class Seq2Seq(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = torch.nn.Embedding(13, 8, padding_idx=1)
+            self.enc = torch.nn.Embedding(13, 8, padding_idx=1)
+            self.dec = torch.nn.Embedding(13, 8, padding_idx=1)
+            self.head = torch.nn.Linear(8, 13, bias=False)
+            self.enc.weight = self.dec.weight = self.head.weight = self.shared.weight
+
+        def forward(self, ids, dec_ids):
+            h = torch.tanh(self.enc(ids)).mean(1, keepdim=True) + self.dec(dec_ids)
+            return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+    reference, model = _pair(Seq2Seq)
+    ids = torch.tensor([[3, 1, 1, 5, 3, 12], [0, 1, 7, 3, 3, 1]])
+    dec_ids = torch.tensor([[2, 3, 1, 1, 5, 3], [2, 0, 1, 7, 3, 3]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for m in (model, reference):
+            m(ids, dec_ids).backward()
+    (got,), (want,) = [p.grad for p in model.parameters()], [p.grad for p in reference.parameters()]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert want[1].abs().max() > 0  # the projection's share of the padding row stays
+    (training,) = _trainings(model)
+    assert list(training.padding_ids.values()) == [1] and not training.zero_rows
+
+
 @pytest.mark.parametrize("use_logits", [False, True])
 def test_outputs_outside_the_loss_are_left_out_of_backward(use_logits):
     """loss.backward() alone runs a backward graph without the logits' gradient input (not a zero tensor
@@ -373,4 +406,4 @@ def test_embedding_gradients_are_added_up_by_torch_and_match_eager():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
     (training,) = _trainings(model)
     assert sorted(s.base is None for s in training.row_scatters.scatters) == [False, True, True]
-    assert training.zero_rows  # kind's padding row: zeroed after the rows are added
+    assert training.padding_ids and not training.zero_rows  # kind's padding id: its rows are left out

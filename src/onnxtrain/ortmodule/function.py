@@ -54,7 +54,7 @@ class ORTFunction(torch.autograd.Function):
                      for g, (shape, dtype, device) in zip(given, ctx.output_meta)]
         seeds = [_seed(g) for g in given if g is not None]
         grads = _add_rows(session.run([*seeds, *ctx.stashed, *ctx.saved_tensors]), training.row_scatters,
-                          ctx.scatter_like)
+                          ctx.scatter_like, training.padding_ids)
         ctx.stashed = None  # free the activations as soon as backward is done
         result: list[torch.Tensor | None] = [None] * ctx.num_tensors
         for k, row in training.zero_rows.items():
@@ -68,16 +68,24 @@ def _like(tensor: torch.Tensor) -> tuple:
     return tensor.shape, tensor.dtype, tensor.device
 
 
-def _add_rows(outputs: list[torch.Tensor], plan: RowScatters, like: list[tuple]) -> list[torch.Tensor]:
-    """The gradients from the backward graph's outputs: the embedding gradients' rows added up here."""
+def _add_rows(outputs: list[torch.Tensor], plan: RowScatters, like: list[tuple],
+              padding_ids: dict[int, int]) -> list[torch.Tensor]:
+    """The gradients from the backward graph's outputs: the embedding gradients' rows added up here,
+    leaving out the rows looked up at a ``padding_idx`` (``padding_ids``: gradient position -> id)."""
     if not plan.scatters:
         return outputs
     grads: list[torch.Tensor | None] = [None] * plan.num_outputs
     for k, position in enumerate(plan.kept):
         grads[position] = outputs[k]
     for scatter, (shape, dtype, device) in zip(plan.scatters, like):
-        base = outputs[scatter.base] if scatter.base is not None else torch.zeros(shape, dtype=dtype, device=device)
-        grads[scatter.gradient] = base.index_add_(0, outputs[scatter.ids], outputs[scatter.rows])
+        target = grads[scatter.gradient]
+        if target is None:
+            target = torch.zeros(shape, dtype=dtype, device=device)
+        ids, rows = outputs[scatter.ids], outputs[scatter.rows]
+        padding = padding_ids.get(scatter.gradient)
+        if padding is not None:
+            rows = rows.masked_fill((ids == padding).view(-1, *[1] * (rows.dim() - 1)), 0)
+        grads[scatter.gradient] = target.index_add_(0, ids, rows)
     return grads  # type: ignore[return-value]
 
 

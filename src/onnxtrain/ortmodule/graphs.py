@@ -8,6 +8,7 @@ new values of mutated buffers; the forward graph adds the values backward needs.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,8 +64,11 @@ class Training:
     # How the backward graph's outputs make the gradients in ``wrt`` order (embedding gradients come
     # out as ids and rows, which torch adds up: :mod:`onnxtrain.passes.defer_row_scatters`).
     row_scatters: RowScatters
-    # Embedding rows whose gradient PyTorch keeps at zero (``padding_idx``): the exported Gather forgets
-    # it, so the bridge zeroes them. Maps a position in ``wrt`` to the row.
+    # PyTorch's ``padding_idx``, which the exported Gather forgets. Embedding gradients whose lookups all
+    # leave the graph as ids and rows: the rows at the padding id are left out when they are added
+    # (exact, also for a table tied to other uses). Others, of a table nothing else uses: the padding row
+    # is zeroed. Both map a position in ``wrt`` to the padding id.
+    padding_ids: dict[int, int] = field(default_factory=dict)
     zero_rows: dict[int, int] = field(default_factory=dict)
     # Keyed by which differentiable outputs have a gradient. None: those cannot be pruned, so the full
     # graph runs with zeros fed for them.
@@ -105,6 +109,7 @@ class SchemaGraphs:
     random: bool  # has random ops: onnxruntime's seed is drawn from torch's generator on each run
     device: torch.device
     padding_rows: dict[str, int] = field(default_factory=dict)  # embedding weight name -> padding_idx
+    shared_weights: set[str] = field(default_factory=set)  # those of them that other modules use too
     log_severity: int = 3
     saver: Saver | None = None
     inference: TorchSession | None = None
@@ -180,10 +185,28 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     logger.info("built training graphs: %d forward nodes, %d backward nodes, %d stashed values",
                 len(forward.graph.node), len(backward.graph.node), split.num_stashed)
     state = {graphs.num_inputs + i: name for i, name in enumerate(graphs.state_names)}
-    zero_rows = {k: graphs.padding_rows[state[pos]] for k, pos in enumerate(wrt)
-                 if state.get(pos) in graphs.padding_rows}
+    padding_ids, zero_rows = _padding(graphs, [state.get(pos) for pos in wrt], row_scatters)
     return Training(graphs._session(forward), backward, split, wrt, diff_outputs, graphs._session, row_scatters,
-                    zero_rows)
+                    padding_ids, zero_rows)
+
+
+def _padding(graphs: SchemaGraphs, names: list[str | None], plan: RowScatters) -> tuple[dict[int, int], dict[int, int]]:
+    """(padding_ids, zero_rows) of :class:`Training` for the gradients named ``names`` (None: an input)."""
+    scattered = {s.gradient for s in plan.scatters} - plan.partial
+    padding_ids, zero_rows = {}, {}
+    for k, name in enumerate(names):
+        row = graphs.padding_rows.get(name)
+        if row is None:
+            continue
+        if k in scattered:
+            padding_ids[k] = row
+        elif name not in graphs.shared_weights:
+            zero_rows[k] = row
+        else:
+            warnings.warn(f"embedding weight {name!r} has padding_idx={row} and other uses, and its gradient is "
+                          "not all made of lookups onnxtrain can see: under ORTModule its padding row receives "
+                          "the lookups' gradient too (PyTorch: the other uses' only)", UserWarning, stacklevel=2)
+    return padding_ids, zero_rows
 
 
 def _free_grad_base(name: str, taken: set[str]) -> str:

@@ -115,7 +115,7 @@ class ORTModule(torch.nn.Module):
         if saver is not None:
             saver(captured.model, "exported")
         graphs = prepare(captured, state_names, device, int(self._debug.log_level))
-        graphs.padding_rows = _padding_rows(self.module)
+        graphs.padding_rows, graphs.shared_weights = _padding_rows(self.module)
         graphs.saver = saver
         if saver is not None:
             saver(graphs.base, "inference")
@@ -216,24 +216,35 @@ class ORTModule(torch.nn.Module):
         super().__setstate__(state)
 
 
-def _padding_rows(module: torch.nn.Module) -> dict[str, int]:
-    """``{weight name: padding_idx}`` for embeddings whose padding row PyTorch never updates."""
+def _padding_rows(module: torch.nn.Module) -> tuple[dict[str, int], set[str]]:
+    """({weight name: padding_idx} for the embedding tables whose every ``nn.Embedding`` has that
+    padding_idx, {the names of those tables that other modules use too})."""
     names = {id(p): n for n, p in module.named_parameters()}
+    aliases: dict[int, list[str]] = {}  # a tied table is in the exported graph under one of its names
+    for n, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
     uses: dict[int, int] = {}
+    holders: dict[int, list[torch.nn.Embedding]] = {}
     for m in module.modules():
         for p in m.parameters(recurse=False):
             uses[id(p)] = uses.get(id(p), 0) + 1
-    rows = {}
-    for m in module.modules():
-        if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None and id(m.weight) in names:
-            if uses[id(m.weight)] > 1:
-                warnings.warn(
-                    f"embedding weight {names[id(m.weight)]!r} is shared with another module and has "
-                    f"padding_idx={m.padding_idx}: under ORTModule its padding row receives the other "
-                    "module's gradient too (PyTorch: the other module's only)", UserWarning, stacklevel=4)
-                continue
-            rows[names[id(m.weight)]] = m.padding_idx % m.num_embeddings
-    return rows
+        if isinstance(m, torch.nn.Embedding) and id(m.weight) in names:
+            holders.setdefault(id(m.weight), []).append(m)
+    rows, shared = {}, set()
+    for key, embeddings in holders.items():
+        paddings = {None if m.padding_idx is None else m.padding_idx % m.num_embeddings for m in embeddings}
+        if paddings == {None}:
+            continue
+        if len(paddings) > 1:
+            warnings.warn(f"embedding weight {names[key]!r} is shared by embeddings with different padding_idx "
+                          f"({sorted(paddings, key=str)}): under ORTModule no row of its gradient is left out",
+                          UserWarning, stacklevel=4)
+            continue
+        row = paddings.pop()
+        rows.update(dict.fromkeys(aliases[key], row))
+        if uses[key] > 1:
+            shared.update(aliases[key])
+    return rows, shared
 
 
 def _device_of(module: torch.nn.Module, tensors: list[torch.Tensor]) -> torch.device:

@@ -11,12 +11,15 @@ This pass rewrites each such gradient output for a caller that can add rows itse
 torch): the graph returns the ids (int64, 1-D) and the rows instead, and the caller adds the rows into
 zeros of the parameter's shape. When the scatter is one term of a sum (a weight tied to the output
 projection, GPT-2's ``wte``), the graph returns the other terms' sum, and the caller adds the rows into
-it in place. The on-device runtime keeps the scatter: it must run on onnxruntime alone.
+it in place. Every scatter term of the sum is deferred (BART's table is looked up by its encoder and its
+decoder and is its output projection): the caller then sees each lookup's ids, which is what PyTorch's
+``padding_idx`` needs (:mod:`onnxtrain.ortmodule.function`). The on-device runtime keeps the scatter: it
+must run on onnxruntime alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
@@ -25,9 +28,10 @@ import onnx_ir.passes.common
 
 @dataclass(frozen=True)
 class RowScatter:
-    """Gradient ``gradient`` (a position in the original outputs) is ``base.index_add_(0, ids, rows)``,
-    where ``base`` is the output at ``base`` (the sum's other terms) or, if None, zeros of the
-    parameter's shape. ``base``, ``ids`` and ``rows`` are positions in the rewritten graph's outputs."""
+    """Gradient ``gradient`` (a position in the original outputs) gets ``index_add_(0, ids, rows)``:
+    into the output at ``base`` (the sum's other terms), or, if None, into what the scatters before it
+    in the list made of the same gradient, or into zeros of the parameter's shape. ``base``, ``ids`` and
+    ``rows`` are positions in the rewritten graph's outputs."""
 
     gradient: int
     base: int | None
@@ -38,11 +42,13 @@ class RowScatter:
 @dataclass
 class RowScatters:
     """How the rewritten graph's outputs make the original ones: output k of the rewritten graph is
-    original output ``kept[k]`` (for k < len(kept)); the ``scatters`` make the others."""
+    original output ``kept[k]`` (for k < len(kept)); the ``scatters`` make the others. ``partial``:
+    the gradients some of whose row scatters stay in the graph (their ids are not all seen)."""
 
     num_outputs: int
     kept: list[int]
     scatters: list[RowScatter]
+    partial: set[int] = field(default_factory=set)
 
 
 def defer_row_scatters(model: ir.Model) -> RowScatters:
@@ -54,28 +60,32 @@ def defer_row_scatters(model: ir.Model) -> RowScatters:
     outputs = list(graph.outputs)
     kept: list[int] = []
     new_outputs: list[ir.Value] = []
-    found: list[tuple[int, ir.Value | None, ir.Value, ir.Value]] = []
+    found: list[tuple[int, ir.Value | None, list[tuple[ir.Value, ir.Value]]]] = []
     for position, output in enumerate(outputs):
         rewrite = _rewrite(graph, output, outputs)
         if rewrite is None:
             kept.append(position)
             new_outputs.append(output)
             continue
-        base, ids, rows = rewrite
+        base, pairs = rewrite
         if base is not None:
             kept.append(position)
             new_outputs.append(base)
-        found.append((position, base, ids, rows))
+        found.append((position, base, pairs))
     scatters = []
-    for position, base, ids, rows in found:
-        new_outputs += [ids, rows]
-        scatters.append(RowScatter(position, None if base is None else kept.index(position),
-                                   len(new_outputs) - 2, len(new_outputs) - 1))
+    for position, base, pairs in found:
+        for k, (ids, rows) in enumerate(pairs):
+            new_outputs += [ids, rows]
+            base_index = kept.index(position) if base is not None and k == 0 else None
+            scatters.append(RowScatter(position, base_index, len(new_outputs) - 2, len(new_outputs) - 1))
+    partial = {position for position, base, _ in found if base is not None and _has_scatter_term(base)}
+    partial |= {position for position, output in enumerate(outputs)
+                if position not in {f[0] for f in found} and _has_scatter_term(output)}
     if found:
         graph.outputs.clear()
         graph.outputs.extend(new_outputs)
         onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
-    return RowScatters(len(outputs), kept, scatters)
+    return RowScatters(len(outputs), kept, scatters, partial)
 
 
 # Ops whose output onnxruntime may place in its input's memory.
@@ -83,29 +93,59 @@ _ALIASING = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
 
 
 def _rewrite(graph: ir.Graph, output: ir.Value, outputs: list[ir.Value]):
-    """(base or None, ids, rows) if ``output`` is a row scatter-add, alone or as one term of a sum."""
+    """(base or None, [(ids, rows), ...]) if ``output`` is a row scatter-add, or a sum (of Adds and
+    Sums) with row scatter-adds among its terms."""
     node = output.producer()
     if node is None or output.uses() or outputs.count(output) != 1:
         return None
     scatter = _row_scatter(node)
     if scatter is not None:
-        return None, *_ids_and_rows(graph, node, scatter)
-    if node.op_type not in ("Add", "Sum") or node.domain not in ("", "ai.onnx"):
+        return None, [_ids_and_rows(graph, node, scatter)]
+    if not _is_sum(node):
         return None
-    terms = list(node.inputs)
-    for k, term in enumerate(terms):
+    scatters, rest = [], []
+    for term in _terms(node):
         producer = term.producer() if term is not None else None
         scatter = _row_scatter(producer) if producer is not None and len(term.uses()) == 1 else None
         if scatter is None:
-            continue
-        rest = terms[:k] + terms[k + 1:]
-        if output.shape is None or any(v is None or v.shape != output.shape for v in rest):
-            return None  # the other terms must have the gradient's shape already (no broadcasting)
-        if len(rest) == 1 and not _owned(rest[0], outputs):
-            return None
-        base = rest[0] if len(rest) == 1 else _insert(graph, node, "Sum", rest, output)  # a new tensor
-        return base, *_ids_and_rows(graph, producer, scatter)
-    return None
+            rest.append(term)
+        else:
+            scatters.append((producer, scatter))
+    if not scatters:
+        return None
+    if output.shape is None or any(v is None or v.shape != output.shape for v in rest):
+        return None  # the other terms must have the gradient's shape already (no broadcasting)
+    if len(rest) == 1 and not _owned(rest[0], outputs):
+        return None
+    base = None if not rest else rest[0] if len(rest) == 1 else _insert(graph, node, "Sum", rest, output)
+    return base, [_ids_and_rows(graph, producer, scatter) for producer, scatter in scatters]
+
+
+def _is_sum(node: ir.Node) -> bool:
+    return node.op_type in ("Add", "Sum") and node.domain in ("", "ai.onnx")
+
+
+def _terms(node: ir.Node) -> list[ir.Value]:
+    """The leaves of the tree of Adds and Sums under ``node`` whose inner values have no other use."""
+    terms = []
+    for value in node.inputs:
+        producer = value.producer() if value is not None else None
+        if producer is not None and _is_sum(producer) and len(value.uses()) == 1:
+            terms += _terms(producer)
+        else:
+            terms.append(value)
+    return terms
+
+
+def _has_scatter_term(value: ir.Value) -> bool:
+    """Whether ``value`` is, or sums, a ScatterElements left in the graph."""
+    node = value.producer()
+    if node is None:
+        return False
+    if node.op_type == "ScatterElements":
+        return True
+    return _is_sum(node) and any(t is not None and t.producer() is not None
+                                 and t.producer().op_type == "ScatterElements" for t in _terms(node))
 
 
 def _owned(value: ir.Value, outputs: list[ir.Value]) -> bool:
