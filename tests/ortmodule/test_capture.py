@@ -4,6 +4,7 @@ it the decomposition re-trace), checked against the exporter's own registry and 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -121,3 +122,36 @@ def test_export_uses_the_lazy_registry_and_builds_only_the_ops_it_translates(mon
     # outside an export the exporter's own registry is back
     assert not isinstance(_registration.ONNXRegistry.from_torchlib(capture_export.OPSET).functions,
                           type(functions))
+
+
+class ShiftsAndFlattens(torch.nn.Module):
+    """What seq2seq models do with their labels: shift them right and flatten them for the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 4)
+
+    def forward(self, ids):
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:] = ids[:, :-1].clone()
+        return self.emb(shifted).sum() + (ids.reshape(-1) * 1.0).sum()
+
+
+def test_a_non_contiguous_input_exports_as_the_contiguous_tensor_onnxruntime_gets():
+    """A slice's symbolic strides put aten.sym_stride in the program, which the exporter cannot translate
+    (Whisper given labels[:, :8] fell back to PyTorch)."""
+    torch.manual_seed(0)
+    reference = ShiftsAndFlattens()
+    model = ORTModule(copy.deepcopy(reference), DebugOptions(fallback=False))
+    for batch in (3, 2):
+        ids = torch.randint(0, 20, (batch, 12))[:, :8]
+        assert not ids.is_contiguous()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # by torch.export, not the TorchScript fallback
+            got = model(ids)
+        want = reference(ids)
+        torch.testing.assert_close(got, want)
+        got.backward()
+        want.backward()
+    torch.testing.assert_close(model.module.emb.weight.grad, reference.emb.weight.grad)
+    assert model.export_count == 1

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-import warnings
 import pickle
+import warnings
 
 import pytest
 import torch

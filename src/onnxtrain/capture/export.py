@@ -85,6 +85,9 @@ def dynamic_axes(tensor: torch.Tensor) -> list[int]:
 
 def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, verbose: bool = False) -> Captured:
     flat, input_spec = flatten((tuple(args), dict(kwargs)))
+    # onnxruntime is fed contiguous copies: export with those too. A non-contiguous input (a slice) would
+    # otherwise put its symbolic strides in the program (aten.sym_stride), which nothing translates.
+    flat = [t.contiguous() for t in flat]
     buffer_names = [name for name, _ in module.named_buffers(remove_duplicate=False)]
     wrapper = FlatModule(module, input_spec, buffer_names)
     record = wrapper.record
