@@ -33,10 +33,11 @@ def _finish(outputs: list[np.ndarray], plan: RowScatters, shapes: dict[int, tupl
     return grads
 
 
-def _tied_lm() -> onnx.ModelProto:
-    """loss = sum(w * ((E[ids] + P[pos]) @ E^T)): E is both an embedding and the output projection."""
+def _tied_lm(second: str = "P") -> onnx.ModelProto:
+    """loss = sum(w * ((E[ids] + T[pos]) @ E^T)), T = ``second``: E is both an embedding and the output
+    projection; T is another table P, or E itself looked up a second time."""
     nodes = [helper.make_node("Gather", ["E", "ids"], ["tok"]),
-             helper.make_node("Gather", ["P", "pos"], ["at"]),
+             helper.make_node("Gather", [second, "pos"], ["at"]),
              helper.make_node("Add", ["tok", "at"], ["h"]),
              helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
              helper.make_node("MatMul", ["h", "Et"], ["logits"]),
@@ -44,8 +45,9 @@ def _tied_lm() -> onnx.ModelProto:
              helper.make_node("ReduceSum", ["weighted"], ["loss"], keepdims=0)]
     f = lambda n, s: helper.make_tensor_value_info(n, TensorProto.FLOAT, s)
     i = lambda n, s: helper.make_tensor_value_info(n, TensorProto.INT64, s)
-    graph = helper.make_graph(nodes, "lm", [f("E", [V, D]), f("P", [N, D]), i("ids", ["n"]), i("pos", ["n"]),
-                                           f("w", ["n", V])], [f("loss", [])])
+    tables = [f("E", [V, D])] + ([f("P", [N, D])] if second == "P" else [])
+    graph = helper.make_graph(nodes, "lm", [*tables, i("ids", ["n"]), i("pos", ["n"]), f("w", ["n", V])],
+                              [f("loss", [])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 
@@ -117,19 +119,7 @@ def test_rows_are_added_in_place_only_into_memory_the_graph_owns():
 def test_every_lookup_of_a_table_leaves_the_graph():
     """E looked up twice (an encoder's and a decoder's tokens) and tied to the projection, as in BART:
     both lookups' rows come out (the caller sees each lookup's ids), added into the projection's gradient."""
-    nodes = [helper.make_node("Gather", ["E", "ids"], ["tok"]),
-             helper.make_node("Gather", ["E", "ids2"], ["tok2"]),
-             helper.make_node("Mul", ["tok", "tok2"], ["h"]),
-             helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
-             helper.make_node("MatMul", ["h", "Et"], ["logits"]),
-             helper.make_node("Mul", ["logits", "w"], ["weighted"]),
-             helper.make_node("ReduceSum", ["weighted"], ["loss"], keepdims=0)]
-    f = lambda n, s: helper.make_tensor_value_info(n, TensorProto.FLOAT, s)
-    i = lambda n, s: helper.make_tensor_value_info(n, TensorProto.INT64, s)
-    graph = helper.make_graph(nodes, "lm", [f("E", [V, D]), i("ids", ["n"]), i("ids2", ["n"]), f("w", ["n", V])],
-                              [f("loss", [])])
-    proto = gradient_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10),
-                           wrt=["E"])
+    proto = gradient_model(_tied_lm("E"), wrt=["E"])
     model = ir.from_proto(proto)
     plan = defer_row_scatters(model)
     assert "ScatterElements" not in {n.op_type for n in model.graph}
@@ -137,10 +127,10 @@ def test_every_lookup_of_a_table_leaves_the_graph():
     assert [(s.gradient, s.base is not None) for s in plan.scatters] == [(e, True), (e, False)]
     assert plan.partial == set()
 
-    ids, ids2 = np.array([3, 0, 3, 7, 3, 0, 10, 7, 3]), np.array([1, 1, 2, 0, 1, 5, 5, 9, 1])
-    feeds = {"E": RNG.standard_normal((V, D)).astype(np.float32), "ids": ids, "ids2": ids2,
+    ids, pos = np.array([3, 0, 3, 7, 3, 0, 10, 7, 3]), np.array([1, 1, 2, 0, 1, 5, 5, 9, 1])
+    feeds = {"E": RNG.standard_normal((V, D)).astype(np.float32), "ids": ids, "pos": pos,
              "w": RNG.standard_normal((N, V)).astype(np.float32), "loss_grad": np.array(1.0, np.float32)}
     grad = _finish(_run(ir.to_proto(model), feeds), plan, {e: (V, D)})[e]
     E = torch.tensor(feeds["E"], requires_grad=True)
-    ((E[torch.tensor(ids)] * E[torch.tensor(ids2)]) @ E.T * torch.tensor(feeds["w"])).sum().backward()
+    ((E[torch.tensor(ids)] + E[torch.tensor(pos)]) @ E.T * torch.tensor(feeds["w"])).sum().backward()
     np.testing.assert_allclose(grad, E.grad.numpy(), rtol=1e-5, atol=1e-5)
