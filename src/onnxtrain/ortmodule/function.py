@@ -54,7 +54,7 @@ class ORTFunction(torch.autograd.Function):
                      for g, (shape, dtype, device) in zip(given, ctx.output_meta)]
         seeds = [_seed(g) for g in given if g is not None]
         grads = _add_rows(session.run([*seeds, *ctx.stashed, *ctx.saved_tensors]), training.row_scatters,
-                          ctx.scatter_like, training.padding_ids)
+                          ctx.scatter_like, training.padding_ids, training.freq_scaled)
         ctx.stashed = None  # free the activations as soon as backward is done
         result: list[torch.Tensor | None] = [None] * ctx.num_tensors
         for k, row in training.zero_rows.items():
@@ -69,9 +69,10 @@ def _like(tensor: torch.Tensor) -> tuple:
 
 
 def _add_rows(outputs: list[torch.Tensor], plan: RowScatters, like: list[tuple],
-              padding_ids: dict[int, int]) -> list[torch.Tensor]:
+              padding_ids: dict[int, int], freq_scaled: set[int]) -> list[torch.Tensor]:
     """The gradients from the backward graph's outputs: the embedding gradients' rows added up here,
-    leaving out the rows looked up at a ``padding_idx`` (``padding_ids``: gradient position -> id)."""
+    leaving out the rows looked up at a ``padding_idx`` (``padding_ids``: gradient position -> id) and,
+    for ``scale_grad_by_freq`` (``freq_scaled``), dividing each row by its id's count in its lookup."""
     if not plan.scatters:
         return outputs
     grads: list[torch.Tensor | None] = [None] * plan.num_outputs
@@ -82,9 +83,13 @@ def _add_rows(outputs: list[torch.Tensor], plan: RowScatters, like: list[tuple],
         if target is None:
             target = torch.zeros(shape, dtype=dtype, device=device)
         ids, rows = outputs[scatter.ids], outputs[scatter.rows]
+        column = [-1] + [1] * (rows.dim() - 1)
+        if scatter.gradient in freq_scaled:
+            counts = torch.bincount(ids, minlength=shape[0])
+            rows = rows / counts[ids].view(column).to(rows.dtype)
         padding = padding_ids.get(scatter.gradient)
         if padding is not None:
-            rows = rows.masked_fill((ids == padding).view(-1, *[1] * (rows.dim() - 1)), 0)
+            rows = rows.masked_fill((ids == padding).view(column), 0)
         grads[scatter.gradient] = target.index_add_(0, ids, rows)
     return grads  # type: ignore[return-value]
 

@@ -64,12 +64,15 @@ class Training:
     # How the backward graph's outputs make the gradients in ``wrt`` order (embedding gradients come
     # out as ids and rows, which torch adds up: :mod:`onnxtrain.passes.defer_row_scatters`).
     row_scatters: RowScatters
-    # PyTorch's ``padding_idx``, which the exported Gather forgets. Embedding gradients whose lookups all
-    # leave the graph as ids and rows: the rows at the padding id are left out when they are added
-    # (exact, also for a table tied to other uses). Others, of a table nothing else uses: the padding row
-    # is zeroed. Both map a position in ``wrt`` to the padding id.
+    # What nn.Embedding does that the exported Gather forgets. ``padding_idx``: for embedding gradients
+    # whose lookups all leave the graph as ids and rows, the rows at the padding id are left out when they
+    # are added (exact, also for a table tied to other uses); for others, of a table nothing else uses,
+    # the padding row is zeroed. Both map a position in ``wrt`` to the padding id. ``scale_grad_by_freq``
+    # (positions in ``wrt``; lookups as ids and rows only): each row is divided by its id's count in its
+    # lookup.
     padding_ids: dict[int, int] = field(default_factory=dict)
     zero_rows: dict[int, int] = field(default_factory=dict)
+    freq_scaled: set[int] = field(default_factory=set)
     # Keyed by which differentiable outputs have a gradient. None: those cannot be pruned, so the full
     # graph runs with zeros fed for them.
     _backward: dict[tuple[bool, ...], TorchSession | None] = field(default_factory=dict)
@@ -109,7 +112,8 @@ class SchemaGraphs:
     random: bool  # has random ops: onnxruntime's seed is drawn from torch's generator on each run
     device: torch.device
     padding_rows: dict[str, int] = field(default_factory=dict)  # embedding weight name -> padding_idx
-    shared_weights: set[str] = field(default_factory=set)  # those of them that other modules use too
+    freq_scaled: set[str] = field(default_factory=set)  # embedding weights with scale_grad_by_freq
+    shared_weights: set[str] = field(default_factory=set)  # those of both that other modules use too
     log_severity: int = 3
     saver: Saver | None = None
     inference: TorchSession | None = None
@@ -185,28 +189,37 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     logger.info("built training graphs: %d forward nodes, %d backward nodes, %d stashed values",
                 len(forward.graph.node), len(backward.graph.node), split.num_stashed)
     state = {graphs.num_inputs + i: name for i, name in enumerate(graphs.state_names)}
-    padding_ids, zero_rows = _padding(graphs, [state.get(pos) for pos in wrt], row_scatters)
+    padding_ids, zero_rows, freq_scaled = _lookup_rules(graphs, [state.get(pos) for pos in wrt], row_scatters)
     return Training(graphs._session(forward), backward, split, wrt, diff_outputs, graphs._session, row_scatters,
-                    padding_ids, zero_rows)
+                    padding_ids, zero_rows, freq_scaled)
 
 
-def _padding(graphs: SchemaGraphs, names: list[str | None], plan: RowScatters) -> tuple[dict[int, int], dict[int, int]]:
-    """(padding_ids, zero_rows) of :class:`Training` for the gradients named ``names`` (None: an input)."""
+def _lookup_rules(graphs: SchemaGraphs, names: list[str | None],
+                  plan: RowScatters) -> tuple[dict[int, int], dict[int, int], set[int]]:
+    """(padding_ids, zero_rows, freq_scaled) of :class:`Training` for the gradients named ``names``
+    (None: an input), warning where PyTorch's rule cannot be followed."""
     scattered = {s.gradient for s in plan.scatters} - plan.partial
-    padding_ids, zero_rows = {}, {}
+    padding_ids, zero_rows, freq_scaled = {}, {}, set()
     for k, name in enumerate(names):
         row = graphs.padding_rows.get(name)
-        if row is None:
-            continue
-        if k in scattered:
-            padding_ids[k] = row
-        elif name not in graphs.shared_weights:
-            zero_rows[k] = row
-        else:
-            warnings.warn(f"embedding weight {name!r} has padding_idx={row} and other uses, and its gradient is "
-                          "not all made of lookups onnxtrain can see: under ORTModule its padding row receives "
-                          "the lookups' gradient too (PyTorch: the other uses' only)", UserWarning, stacklevel=2)
-    return padding_ids, zero_rows
+        if row is not None:
+            if k in scattered:
+                padding_ids[k] = row
+            elif name not in graphs.shared_weights:
+                zero_rows[k] = row
+            else:
+                _unfollowed(name, f"padding_idx={row}", "its padding row receives the lookups' gradient too")
+        if name in graphs.freq_scaled:
+            if k in scattered:
+                freq_scaled.add(k)
+            else:
+                _unfollowed(name, "scale_grad_by_freq", "its gradient rows are not divided by the ids' counts")
+    return padding_ids, zero_rows, freq_scaled
+
+
+def _unfollowed(name: str, rule: str, consequence: str) -> None:
+    warnings.warn(f"embedding weight {name!r} has {rule}, and its gradient is not all made of lookups onnxtrain "
+                  f"can see: under ORTModule {consequence}", UserWarning, stacklevel=3)
 
 
 def _free_grad_base(name: str, taken: set[str]) -> str:

@@ -115,7 +115,7 @@ class ORTModule(torch.nn.Module):
         if saver is not None:
             saver(captured.model, "exported")
         graphs = prepare(captured, state_names, device, int(self._debug.log_level))
-        graphs.padding_rows, graphs.shared_weights = _padding_rows(self.module)
+        graphs.padding_rows, graphs.freq_scaled, graphs.shared_weights = _embedding_rules(self.module)
         graphs.saver = saver
         if saver is not None:
             saver(graphs.base, "inference")
@@ -216,9 +216,10 @@ class ORTModule(torch.nn.Module):
         super().__setstate__(state)
 
 
-def _padding_rows(module: torch.nn.Module) -> tuple[dict[str, int], set[str]]:
-    """({weight name: padding_idx} for the embedding tables whose every ``nn.Embedding`` has that
-    padding_idx, {the names of those tables that other modules use too})."""
+def _embedding_rules(module: torch.nn.Module) -> tuple[dict[str, int], set[str], set[str]]:
+    """What ``nn.Embedding`` does to its table's gradient that an exported Gather forgets: ({table name:
+    padding_idx}, {tables with scale_grad_by_freq}, {those tables that other modules use too}), for the
+    tables whose every ``nn.Embedding`` agrees. A tied table is listed under each of its names."""
     names = {id(p): n for n, p in module.named_parameters()}
     aliases: dict[int, list[str]] = {}  # a tied table is in the exported graph under one of its names
     for n, p in module.named_parameters(remove_duplicate=False):
@@ -230,21 +231,23 @@ def _padding_rows(module: torch.nn.Module) -> tuple[dict[str, int], set[str]]:
             uses[id(p)] = uses.get(id(p), 0) + 1
         if isinstance(m, torch.nn.Embedding) and id(m.weight) in names:
             holders.setdefault(id(m.weight), []).append(m)
-    rows, shared = {}, set()
+    rows, by_freq, shared = {}, set(), set()
     for key, embeddings in holders.items():
         paddings = {None if m.padding_idx is None else m.padding_idx % m.num_embeddings for m in embeddings}
-        if paddings == {None}:
-            continue
-        if len(paddings) > 1:
+        freq = {bool(m.scale_grad_by_freq) for m in embeddings}
+        if len(paddings) > 1 or len(freq) > 1:
             warnings.warn(f"embedding weight {names[key]!r} is shared by embeddings with different padding_idx "
-                          f"({sorted(paddings, key=str)}): under ORTModule no row of its gradient is left out",
+                          "or scale_grad_by_freq: under ORTModule its gradient follows neither",
                           UserWarning, stacklevel=4)
             continue
-        row = paddings.pop()
-        rows.update(dict.fromkeys(aliases[key], row))
-        if uses[key] > 1:
+        (row,), (scaled,) = paddings, freq
+        if row is not None:
+            rows.update(dict.fromkeys(aliases[key], row))
+        if scaled:
+            by_freq.update(aliases[key])
+        if (row is not None or scaled) and uses[key] > 1:
             shared.update(aliases[key])
-    return rows, shared
+    return rows, by_freq, shared
 
 
 def _device_of(module: torch.nn.Module, tensors: list[torch.Tensor]) -> torch.device:
