@@ -78,9 +78,10 @@ def defer_row_scatters(model: ir.Model) -> RowScatters:
             new_outputs += [ids, rows]
             base_index = kept.index(position) if base is not None and k == 0 else None
             scatters.append(RowScatter(position, base_index, len(new_outputs) - 2, len(new_outputs) - 1))
+    rewritten = {position for position, _, _ in found}
     partial = {position for position, base, _ in found if base is not None and _has_scatter_term(base)}
     partial |= {position for position, output in enumerate(outputs)
-                if position not in {f[0] for f in found} and _has_scatter_term(output)}
+                if position not in rewritten and _has_scatter_term(output)}
     if found:
         graph.outputs.clear()
         graph.outputs.extend(new_outputs)
