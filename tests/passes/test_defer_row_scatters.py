@@ -105,13 +105,14 @@ def test_rows_are_added_in_place_only_into_memory_the_graph_owns():
              "x": RNG.standard_normal((V, D)).astype(np.float32)}
     # x is a graph input: onnxruntime may hand it back as the output, so nothing may be added into it
     model = ir.from_proto(_scatter_plus("x"))
-    assert defer_row_scatters(model).scatters == []
+    plan = defer_row_scatters(model)
+    assert plan.scatters == [] and plan.partial == {0}  # its lookup's ids stay inside the graph
     assert "ScatterElements" in {n.op_type for n in model.graph}
     # Relu(x) is the graph's own tensor
     proto = _scatter_plus("relu")
     model = ir.from_proto(proto)
     plan = defer_row_scatters(model)
-    assert [(s.gradient, s.base) for s in plan.scatters] == [(0, 0)]
+    assert [(s.gradient, s.base) for s in plan.scatters] == [(0, 0)] and plan.partial == set()
     got = _finish(_run(ir.to_proto(model), feeds), plan, {})
     np.testing.assert_allclose(got[0], _run(proto, feeds)[0], rtol=1e-6, atol=1e-6)
 
