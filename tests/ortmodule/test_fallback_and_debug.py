@@ -116,3 +116,26 @@ def test_bad_fallback_env_value_is_explained(monkeypatch):
     monkeypatch.setenv("ONNXTRAIN_FALLBACK", "maybe")
     with pytest.raises(ValueError, match="ONNXTRAIN_FALLBACK"):
         DebugOptions()
+
+
+def test_batchnorm_with_a_cumulative_average_runs_in_pytorch_not_frozen_in_a_graph(monkeypatch):
+    """BatchNorm(momentum=None) updates its running statistics by 1 / num_batches_tracked, read as a Python
+    float: torch.export stopped there and the TorchScript exporter froze the first step's factor into the
+    graph (running mean off by 0.96 after 4 steps). Now ORTModule says why and runs the module in PyTorch."""
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6, momentum=None))
+    with pytest.raises(capture_export.ExportError, match=r"1: BatchNorm with momentum=None"):
+        ORTModule(make(), DebugOptions(fallback=False))(torch.randn(8, 4))
+
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    torch.manual_seed(0)
+    reference = make()
+    model = ORTModule(copy.deepcopy(reference))
+    for step in range(4):
+        x = torch.randn(8, 4) * (step + 1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(x).sum().backward()
+        assert step > 0 or any("momentum=None" in str(w.message) for w in caught)
+        reference(x).sum().backward()
+    torch.testing.assert_close(model.module[1].running_mean, reference[1].running_mean)
+    torch.testing.assert_close(model.module[1].running_var, reference[1].running_var)

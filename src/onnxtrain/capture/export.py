@@ -84,6 +84,7 @@ def dynamic_axes(tensor: torch.Tensor) -> list[int]:
 
 
 def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, verbose: bool = False) -> Captured:
+    _check_supported(module)
     flat, input_spec = flatten((tuple(args), dict(kwargs)))
     # onnxruntime is fed contiguous copies: export with those too. A non-contiguous input (a slice) would
     # otherwise put its symbolic strides in the program (aten.sym_stride), which nothing translates.
@@ -111,6 +112,18 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, verbose: bool
         raise ExportError("the exporter never ran the module's forward; cannot tell its output structure"
                           + "".join(f"\n  {e[:2000]}" for e in errors))
     return _finish(model, wrapper, record["output_spec"], flat, "dynamo" if not errors else "torchscript")
+
+
+def _check_supported(module: torch.nn.Module) -> None:
+    """Refuse what no exporter captures correctly, before one captures it wrongly."""
+    for name, m in module.named_modules():
+        if (isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.momentum is None
+                and m.track_running_stats):
+            # Its update factor, 1 / num_batches_tracked, is a Python float read from a buffer: torch.export
+            # stops at it, and the TorchScript exporter would freeze the first step's value into the graph.
+            raise ExportError(f"{name or type(m).__name__}: BatchNorm with momentum=None (a cumulative average "
+                              "of the batch statistics) cannot be captured for training; give it a momentum "
+                              "(e.g. 0.1) or run the module in PyTorch")
 
 
 # Tried in this order (looked up by name at call time).
