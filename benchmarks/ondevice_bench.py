@@ -81,11 +81,13 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def time_steps(step, steps: int, warmup: int) -> list[float]:
+def time_steps(step, steps: int, warmup: int, min_seconds: float = 0.0) -> list[float]:
+    """Times of at least ``steps`` timed steps, and of more until they add up to ``min_seconds`` (a
+    10 ms step then gets some 200 samples instead of 20, where one noisy second would move its median)."""
     for _ in range(warmup):
         step()
     times = []
-    for _ in range(steps):
+    while len(times) < steps or sum(times) < min_seconds:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
@@ -112,7 +114,7 @@ def worker_ondevice(args) -> dict:
         optimizer.step()
         module.lazy_reset_grad()
 
-    return {"times": time_steps(step, args.steps, args.warmup), "peak_rss_mb": peak_rss_mb(),
+    return {"times": time_steps(step, args.steps, args.warmup, args.min_seconds), "peak_rss_mb": peak_rss_mb(),
             "loaded_torch": "torch" in sys.modules}
 
 
@@ -132,7 +134,7 @@ def worker_torch(args) -> dict:
         loss.backward()
         optimizer.step()
 
-    return {"times": time_steps(step, args.steps, args.warmup), "peak_rss_mb": peak_rss_mb()}
+    return {"times": time_steps(step, args.steps, args.warmup, args.min_seconds), "peak_rss_mb": peak_rss_mb()}
 
 
 # -- driver ----------------------------------------------------------------------------------------
@@ -157,7 +159,8 @@ def generate(name: str, out: Path) -> None:
 
 def run_worker(kind: str, name: str, d: Path, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--model", name, "--dir", str(d), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--threads", str(args.threads)]
+           "--warmup", str(args.warmup), "--threads", str(args.threads),
+           "--min-seconds", str(getattr(args, "min_seconds", 0.0))]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if result.returncode != 0:
@@ -171,6 +174,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--min-seconds", type=float, default=2.0,
+                        help="time more steps than --steps until they add up to this many seconds")
     parser.add_argument("--worker", choices=["ondevice", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)

@@ -103,7 +103,8 @@ def make_optimizer(params, mode: str, kind: str):
     return torch.optim.AdamW(params, lr=1e-4, fused=True)
 
 
-def worker(workload: str, mode: str, steps: int, warmup: int, threads: int, optimizer_kind: str = "adamw") -> dict:
+def worker(workload: str, mode: str, steps: int, warmup: int, threads: int, optimizer_kind: str = "adamw",
+           min_seconds: float = 0.0) -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -123,12 +124,14 @@ def worker(workload: str, mode: str, steps: int, warmup: int, threads: int, opti
     first, first_loss = step()
     for _ in range(warmup):
         step()
-    times = [step()[0] for _ in range(steps)]
+    times: list[float] = []
+    while len(times) < steps or sum(times) < min_seconds:  # short steps: more samples for a stable median
+        times.append(step()[0])
     if mode == "ortmodule" and runner.fallback_reason is not None:
         raise RuntimeError(f"ORTModule fell back to PyTorch: {runner.fallback_reason}")
     peak = peak_rss_mb()
     return {"workload": workload, "mode": mode, "first_s": first, "median_s": statistics.median(times),
-            "min_s": min(times), "peak_rss_mb": peak, "first_loss": first_loss, "steps": steps,
+            "min_s": min(times), "peak_rss_mb": peak, "first_loss": first_loss, "steps": len(times),
             "times": times}
 
 
@@ -136,7 +139,8 @@ def worker(workload: str, mode: str, steps: int, warmup: int, threads: int, opti
 def run_one(workload: str, mode: str, args) -> dict:
     command = [sys.executable, __file__, "--worker", workload, mode, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--threads", str(args.threads),
-               "--optimizer", getattr(args, "optimizer", "adamw")]
+               "--optimizer", getattr(args, "optimizer", "adamw"),
+               "--min-seconds", str(getattr(args, "min_seconds", 0.0))]
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -178,11 +182,14 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--optimizer", choices=["adamw", "fused"], default="adamw",
                         help="adamw: torch.optim.AdamW everywhere; fused: one-pass AdamW kernels everywhere")
+    parser.add_argument("--min-seconds", type=float, default=2.0,
+                        help="time more steps than --steps until they add up to this many seconds")
     parser.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.steps, args.warmup, args.threads, args.optimizer)))
+        print(json.dumps(worker(*args.worker, args.steps, args.warmup, args.threads, args.optimizer,
+                                args.min_seconds)))
         return 0
     if args.steps < 20:
         parser.error("--steps must be at least 20")

@@ -1,6 +1,6 @@
 """Every system side by side, in one invocation: PyTorch eager, torch.compile, ORTModule, on-device.
 
-    python benchmarks/run_all.py                 # the issue's workloads, 2 threads, 20 timed steps (~5 min)
+    python benchmarks/run_all.py                 # the issue's workloads, 2 threads, >= 20 timed steps and >= 2 s (~5 min)
     python benchmarks/run_all.py --rounds 3      # each system three times, interleaved (~30 min)
     python benchmarks/run_all.py --workloads bert --steps 30
     python benchmarks/run_all.py --workloads llama --systems eager compile ortmodule   # a small Llama too
@@ -116,6 +116,9 @@ def main(argv=None) -> int:
                         choices=ortmodule_bench.WORKLOADS)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--min-seconds", type=float, default=2.0,
+                        help="each worker times more steps than --steps until they add up to this many "
+                             "seconds (the MLP's 10 ms steps: about 200 instead of 20)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--optimizer", choices=["adamw", "fused"], default="adamw",
@@ -127,7 +130,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     worker_args = SimpleNamespace(steps=args.steps, warmup=args.warmup, threads=args.threads,
-                                  optimizer=args.optimizer)
+                                  optimizer=args.optimizer, min_seconds=args.min_seconds)
 
     peak = peak_matmul_gflops(args.threads)
     print(f"optimizer: {args.optimizer}")
