@@ -9,7 +9,7 @@ PyTorch in three ways that matter when the graph is trained:
   which applies ``dropout_p`` whatever the module's mode (Hugging Face models pass 0 in eval mode).
 - **Rows with every key masked.** PyTorch returns zeros for them (its "safe softmax"). The torchlib
   translation returns a uniform average for a Boolean mask and NaN for a float mask holding ``-inf``.
-  Here the scores are masked with the dtype's lowest finite value (so Softmax never sees a row of
+  Here the scores are masked with half the dtype's lowest finite value (so Softmax never sees a row of
   ``-inf``) and the weights are multiplied by a per-row 0/1 factor taken from the mask alone: a
   ``[..., L, 1]`` tensor, computed once per mask however many layers share it.
 - **Cost.** Its ``Where(IsNaN(weights), 0, weights)`` guard costs two passes over the attention weights
@@ -53,8 +53,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     return op.MatMul(weights, value)
 
 
-def _lowest(dtype: ir.DataType):
-    return op.Constant(value=ir.tensor(np.array(np.finfo(dtype.numpy()).min, dtype=dtype.numpy())))
+def _masked(dtype: ir.DataType):
+    """The bias of a masked score: half the lowest finite value, so that adding a negative score cannot
+    overflow to -inf (float16: -32752 + scores down to -32752), and Softmax never sees a row of -inf."""
+    return op.Constant(value=ir.tensor(np.array(np.finfo(dtype.numpy()).min / 2, dtype=dtype.numpy())))
 
 
 def _scalar(value: float, dtype: ir.DataType):
@@ -76,22 +78,22 @@ def _mask(attn_mask, dtype: ir.DataType):
     """(additive bias with finite values only, per-row factor: 0 where every key is masked, else 1)."""
     last = op.Constant(value_ints=[-1])
     if attn_mask.dtype == ir.DataType.BOOL:
-        bias = op.Where(attn_mask, _scalar(0.0, dtype), _lowest(dtype))
+        bias = op.Where(attn_mask, _scalar(0.0, dtype), _masked(dtype))
         row_valid = op.ReduceMax(op.Cast(attn_mask, to=dtype), last, keepdims=1)
         return bias, row_valid
-    # A float mask: -inf (PyTorch's masked_fill idiom) becomes the lowest finite value; a row that is
-    # -inf throughout is a fully masked row.
+    # A float mask: -inf (PyTorch's masked_fill idiom), and anything else below the masked bias, is raised
+    # to it; a row that is -inf throughout is a fully masked row.
     mask = attn_mask if attn_mask.dtype == dtype else op.Cast(attn_mask, to=dtype)
-    bias = op.Max(mask, _lowest(dtype))
+    bias = op.Max(mask, _masked(dtype))
     neg_inf = _scalar(-np.inf, dtype)
     row_valid = op.Cast(op.Greater(op.ReduceMax(mask, last, keepdims=1), neg_inf), to=dtype)
     return bias, row_valid
 
 
 def _causal_mask(query, key):
-    """``[L, S]``: 0 on and below the diagonal (top-left aligned, as PyTorch's ``is_causal``), lowest above."""
+    """``[L, S]``: 0 on and below the diagonal (top-left aligned, as PyTorch's ``is_causal``), masked above."""
     size = op.Concat(op.Shape(query, start=-2, end=-1), op.Shape(key, start=-2, end=-1), axis=0)
-    full = op.Expand(_lowest(query.dtype), size)
+    full = op.Expand(_masked(query.dtype), size)
     return op.Trilu(full, op.Constant(value=ir.tensor(np.array(1, dtype=np.int64))), upper=1)
 
 
