@@ -163,7 +163,8 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     user_outputs = list(graph.outputs[: graphs.num_outputs])
     wanted = {v for v, flag in zip(inputs, requires_grad) if flag and is_float(v)}
     # Outputs that no gradient can reach (ints, or values behind detach() / no_grad) do not require grad.
-    diff_outputs = [i for i, v in enumerate(user_outputs) if is_float(v) and _reaches(graph, [v]) & wanted]
+    dependent = _depends_on(graph, wanted)
+    diff_outputs = [i for i, v in enumerate(user_outputs) if is_float(v) and v in dependent]
     targets = [user_outputs[i] for i in diff_outputs]
     reachable = _reaches(graph, targets)
     wrt = [i for i, v in enumerate(inputs) if v in wanted and v in reachable]
@@ -230,6 +231,15 @@ def _free_grad_base(name: str, taken: set[str]) -> str:
         base = f"{name}_{k}"
     taken.add(f"{base}_grad")
     return base
+
+
+def _depends_on(graph: ir.Graph, sources: set[ir.Value]) -> set[ir.Value]:
+    """Values some source reaches (over any node but StopGradient): the forward twin of :func:`_reaches`."""
+    depends = set(sources)
+    for node in graph:
+        if not is_stop_gradient(node) and any(v in depends for v in node.inputs if v is not None):
+            depends.update(node.outputs)
+    return depends
 
 
 def _reaches(graph: ir.Graph, targets: list[ir.Value]) -> set[ir.Value]:
