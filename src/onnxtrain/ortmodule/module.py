@@ -220,7 +220,6 @@ def _embedding_rules(module: torch.nn.Module) -> tuple[dict[str, int], set[str],
     """What ``nn.Embedding`` does to its table's gradient that an exported Gather forgets: ({table name:
     padding_idx}, {tables with scale_grad_by_freq}, {those tables that other modules use too}), for the
     tables whose every ``nn.Embedding`` agrees. A tied table is listed under each of its names."""
-    names = {id(p): n for n, p in module.named_parameters()}
     aliases: dict[int, list[str]] = {}  # a tied table is in the exported graph under one of its names
     for n, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(n)
@@ -229,14 +228,14 @@ def _embedding_rules(module: torch.nn.Module) -> tuple[dict[str, int], set[str],
     for m in module.modules():
         for p in m.parameters(recurse=False):
             uses[id(p)] = uses.get(id(p), 0) + 1
-        if isinstance(m, torch.nn.Embedding) and id(m.weight) in names:
+        if isinstance(m, torch.nn.Embedding) and id(m.weight) in aliases:
             holders.setdefault(id(m.weight), []).append(m)
     rows, by_freq, shared = {}, set(), set()
     for key, embeddings in holders.items():
         paddings = {None if m.padding_idx is None else m.padding_idx % m.num_embeddings for m in embeddings}
         freq = {bool(m.scale_grad_by_freq) for m in embeddings}
         if len(paddings) > 1 or len(freq) > 1:
-            warnings.warn(f"embedding weight {names[key]!r} is shared by embeddings with different padding_idx "
+            warnings.warn(f"embedding weight {aliases[key][0]!r} is shared by embeddings with different padding_idx "
                           "or scale_grad_by_freq: under ORTModule its gradient follows neither",
                           UserWarning, stacklevel=4)
             continue
