@@ -47,15 +47,20 @@ class ORTFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs: torch.Tensor):
         training: Training = ctx.training
         given = [grad_outputs[i] for i in training.differentiable_outputs]
-        session = training.backward_for(tuple(g is not None for g in given))
+        present = tuple(g is not None for g in given)
+        stashed, ctx.stashed = ctx.stashed, None  # ours alone now: backward frees each after its last use
+        saved = ctx.saved_tensors
+        releasable = [t.numel() * t.element_size() for t in stashed]
+        session = training.backward_for(present, [0] * sum(present) + releasable + [0] * len(saved))
         if session is None:  # the full graph, with zeros for the missing output gradients
-            session = training.backward
+            present = (True,) * len(given)
+            session = training.backward_for(present, [0] * len(given) + releasable + [0] * len(saved))
             given = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                      for g, (shape, dtype, device) in zip(given, ctx.output_meta)]
-        seeds = [_seed(g) for g in given if g is not None]
-        grads = _add_rows(session.run([*seeds, *ctx.stashed, *ctx.saved_tensors]), training.row_scatters,
-                          ctx.scatter_like, training.padding_ids, training.freq_scaled)
-        ctx.stashed = None  # free the activations as soon as backward is done
+        feeds = [*(_seed(g) for g in given if g is not None), *stashed, *saved]
+        del stashed
+        grads = _add_rows(session.run(feeds), training.row_scatters, ctx.scatter_like, training.padding_ids,
+                          training.freq_scaled)
         result: list[torch.Tensor | None] = [None] * ctx.num_tensors
         for k, row in training.zero_rows.items():
             grads[k][row] = 0

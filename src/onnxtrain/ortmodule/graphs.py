@@ -26,6 +26,7 @@ from onnxtrain.autodiff.engine import (
 )
 from onnxtrain.autodiff.stop_gradient import is_stop_gradient, strip_stop_gradients
 from onnxtrain.capture import Captured
+from onnxtrain.ortmodule.options import MIN_STAGE_BYTES, backward_stages
 from onnxtrain.passes import (
     ExpandCrossEntropyPass,
     InitializersToInputsPass,
@@ -36,8 +37,10 @@ from onnxtrain.passes import (
 )
 from onnxtrain.passes.defer_row_scatters import RowScatters, defer_row_scatters
 from onnxtrain.passes.expand_cross_entropy import expand_cross_entropy
+from onnxtrain.passes.stage_graph import CannotStage, one_stage, stage_graph
 from onnxtrain.passes.zero_inputs import CannotPrune, prune_zero_inputs
 from onnxtrain.runtime.session import TorchSession, session_options
+from onnxtrain.runtime.staged import StagedSession
 from onnxtrain.utils.io import save_model_atomic
 
 logger = logging.getLogger("onnxtrain.ortmodule")
@@ -52,7 +55,9 @@ class Training:
 
     Backward sessions are made on first use, one per pattern of present output gradients: when only
     the loss reaches ``backward()``, the graph without the other outputs' gradient inputs runs
-    (:mod:`onnxtrain.passes.zero_inputs`), and the full graph's session is never made.
+    (:mod:`onnxtrain.passes.zero_inputs`), and the full graph's session is never made. Each backward
+    graph runs in up to ``backward_stages`` stages (:mod:`onnxtrain.passes.stage_graph`), cut by the
+    sizes of the stash on that first use, so that stashed activations are freed as backward goes.
     """
 
     forward: TorchSession
@@ -73,32 +78,37 @@ class Training:
     padding_ids: dict[int, int] = field(default_factory=dict)
     zero_rows: dict[int, int] = field(default_factory=dict)
     freq_scaled: set[int] = field(default_factory=set)
+    backward_stages: int = 1
     # Keyed by which differentiable outputs have a gradient. None: those cannot be pruned, so the full
     # graph runs with zeros fed for them.
-    _backward: dict[tuple[bool, ...], TorchSession | None] = field(default_factory=dict)
+    _backward: dict[tuple[bool, ...], StagedSession | None] = field(default_factory=dict)
 
-    @property
-    def backward(self) -> TorchSession:
-        """The full backward graph's session: every output gradient is an input."""
-        return self.backward_for((True,) * len(self.differentiable_outputs))  # type: ignore[return-value]
-
-    def backward_for(self, present: tuple[bool, ...]) -> TorchSession | None:
-        """The session taking only the present output gradients, or None if the full one must be fed zeros."""
+    def backward_for(self, present: tuple[bool, ...], input_bytes: list[int]) -> StagedSession | None:
+        """The session taking only the present output gradients, or None if the full one must be fed zeros.
+        ``input_bytes``: the size of each input that backward may free (0 for the others), which places
+        the stage cuts when the session is made."""
         if present not in self._backward:
-            self._backward[present] = self._build(present)
+            self._backward[present] = self._build(present, input_bytes)
         return self._backward[present]
 
-    def _build(self, present: tuple[bool, ...]) -> TorchSession | None:
-        if all(present):
-            return self.make_session(self.backward_proto)
-        absent = [v.name for v, here in zip(self.backward_proto.graph.input, present) if not here]
+    def _build(self, present: tuple[bool, ...], input_bytes: list[int]) -> StagedSession | None:
+        proto = self.backward_proto
+        if not all(present):
+            absent = [v.name for v, here in zip(proto.graph.input, present) if not here]
+            try:
+                proto = ir_version_for_onnxruntime(prune_zero_inputs(proto, absent))
+            except CannotPrune as exc:
+                logger.info("output gradients %s are fed as zeros: %s", absent, exc)
+                return None
+            logger.info("built a backward graph without the output gradients %s", absent)
+        proto = strip_stop_gradients(proto)
         try:
-            proto = prune_zero_inputs(self.backward_proto, absent)
-        except CannotPrune as exc:
-            logger.info("output gradients %s are fed as zeros: %s", absent, exc)
-            return None
-        logger.info("built a backward graph without the output gradients %s", absent)
-        return self.make_session(ir_version_for_onnxruntime(proto))
+            staged = stage_graph(proto, input_bytes, self.backward_stages, MIN_STAGE_BYTES)
+        except CannotStage as exc:
+            logger.info("backward runs as one graph: %s", exc)
+            staged = one_stage(proto)
+        logger.info("backward runs in %d stage(s)", len(staged.stages))
+        return StagedSession(staged, self.make_session)
 
 
 @dataclass
@@ -192,7 +202,7 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     state = {graphs.num_inputs + i: name for i, name in enumerate(graphs.state_names)}
     padding_ids, zero_rows, freq_scaled = _lookup_rules(graphs, [state.get(pos) for pos in wrt], row_scatters)
     return Training(graphs._session(forward), backward, split, wrt, diff_outputs, graphs._session, row_scatters,
-                    padding_ids, zero_rows, freq_scaled)
+                    padding_ids, zero_rows, freq_scaled, backward_stages())
 
 
 def _lookup_rules(graphs: SchemaGraphs, names: list[str | None],

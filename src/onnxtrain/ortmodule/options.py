@@ -5,6 +5,10 @@ Environment variables (read when an ORTModule is created):
 - ``ONNXTRAIN_FALLBACK=0`` turns the fallback to PyTorch off: an export or graph-building error is raised
   instead of warned about. ``DebugOptions(fallback=...)`` overrides it.
 - ``ONNXTRAIN_LOG_LEVEL=VERBOSE|INFO|WARNING|ERROR|FATAL`` sets the default log level.
+- ``ONNXTRAIN_BACKWARD_STAGES=N`` (default 4; read when training graphs are built) runs each backward
+  graph as up to N onnxruntime sessions in turn, so that the forward's stashed activations are freed as
+  backward goes instead of when it ends. 1 runs it whole. A stage is cut only where it frees at least
+  ``MIN_STAGE_BYTES`` of stash, so small models run whole anyway.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from pathlib import Path
 
 FALLBACK_ENV = "ONNXTRAIN_FALLBACK"
 LOG_LEVEL_ENV = "ONNXTRAIN_LOG_LEVEL"
+BACKWARD_STAGES_ENV = "ONNXTRAIN_BACKWARD_STAGES"
+DEFAULT_BACKWARD_STAGES = 4
+MIN_STAGE_BYTES = 4 << 20
 _FALSE = {"0", "false", "no", "off"}
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -57,6 +64,20 @@ def _env_log_level() -> LogLevel:
         return LogLevel[raw.strip().upper()]
     except KeyError:
         raise ValueError(f"{LOG_LEVEL_ENV}={raw!r}: use one of {[m.name for m in LogLevel]}") from None
+
+
+def backward_stages() -> int:
+    """``$ONNXTRAIN_BACKWARD_STAGES``, else the default (see the module docstring)."""
+    raw = os.environ.get(BACKWARD_STAGES_ENV, "").strip()
+    if not raw:
+        return DEFAULT_BACKWARD_STAGES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{BACKWARD_STAGES_ENV}={raw!r}: use a whole number of stages, 1 or more (1: one graph)")
+    return value
 
 
 @dataclass
