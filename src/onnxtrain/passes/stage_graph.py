@@ -173,7 +173,9 @@ def _build(model, nodes, order: list[int], stage_of: dict[int, int], copied: set
            inputs: list[str], outputs: list[str], num: int) -> StagedGraph:
     graph = model.graph
     types = _value_types(model)
-    initializers = {t.name: t for t in graph.initializer}
+    # An initializer that is also a graph input is only a default: the fed value wins, so it stays an input.
+    fed = set(inputs)
+    initializers = {t.name: t for t in graph.initializer if t.name not in fed}
     members: list[list[int]] = [[] for _ in range(num)]
     for k in order:
         members[stage_of[k]].append(k)
