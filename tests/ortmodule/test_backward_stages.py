@@ -84,3 +84,11 @@ def test_the_environment_variable_is_checked(monkeypatch):
         monkeypatch.setenv(BACKWARD_STAGES_ENV, bad)
         with pytest.raises(ValueError, match=BACKWARD_STAGES_ENV):
             backward_stages()
+
+
+def test_a_second_backward_through_the_same_graph_says_why_it_cannot():
+    model = ORTModule(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()))
+    y = model(torch.randn(2, 4)).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph=True"):
+        y.backward()

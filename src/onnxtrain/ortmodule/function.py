@@ -48,6 +48,10 @@ class ORTFunction(torch.autograd.Function):
         training: Training = ctx.training
         given = [grad_outputs[i] for i in training.differentiable_outputs]
         present = tuple(g is not None for g in given)
+        if ctx.stashed is None:
+            raise RuntimeError("ORTModule frees the forward's saved tensors during the first backward through a "
+                               "graph; a second backward through it (retain_graph=True) is not supported: run "
+                               "the forward again")
         stashed, ctx.stashed = ctx.stashed, None  # ours alone now: backward frees each after its last use
         saved = ctx.saved_tensors
         releasable = [t.numel() * t.element_size() for t in stashed]
