@@ -5,6 +5,11 @@ import pytest
 from onnxtrain.autodiff import UnsupportedOpError
 
 
+def trainings(model):
+    """Every ``Training`` (forward + backward graphs) an ORTModule has built, over all input schemas."""
+    return [t for entries in model._cache.values() for graphs in entries for t in graphs.training.values()]
+
+
 def run_or_skip_missing_rule(fn, *args, **kwargs):
     """Run ``fn``; a missing gradient rule (being written) skips the test, naming the op."""
     try:

@@ -13,10 +13,7 @@ from onnxtrain.ortmodule import function
 from onnxtrain.ortmodule import graphs as graphs_module
 from onnxtrain.ortmodule.options import BACKWARD_STAGES_ENV, backward_stages
 from tests.ortmodule import models
-
-
-def _trainings(model: ORTModule):
-    return [t for entries in model._cache.values() for graphs in entries for t in graphs.training.values()]
+from tests.ortmodule.conftest import trainings
 
 
 @pytest.fixture
@@ -40,7 +37,7 @@ def test_staged_backward_matches_eager(any_size_stages, monkeypatch, make, class
             m(**inputs).loss.backward()
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6, msg=name)
-    (training,) = _trainings(model)
+    (training,) = trainings(model)
     (session,) = training._backward.values()
     assert session.num_stages == stages
 
@@ -63,7 +60,7 @@ def test_the_stash_is_freed_while_backward_runs(any_size_stages, monkeypatch):
     model(**inputs).loss.backward()  # makes the sessions
     refs.clear()
     loss = model(**inputs).loss
-    (training,) = _trainings(model)
+    (training,) = trainings(model)
     (session,) = training._backward.values()
     alive = []
     last = session.sessions[-1]

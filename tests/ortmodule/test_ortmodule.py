@@ -11,7 +11,7 @@ import torch
 
 from onnxtrain import ORTModule
 from tests.ortmodule import models
-from tests.ortmodule.conftest import run_or_skip_missing_rule
+from tests.ortmodule.conftest import run_or_skip_missing_rule, trainings
 
 
 def _pair(make=models.MLP, seed=0):
@@ -116,7 +116,7 @@ def test_a_causal_lm_with_its_default_cache_trains_and_returns_the_cache():
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6, msg=name)
     assert model.export_count == 1
-    (training,) = _trainings(model)
+    (training,) = trainings(model)
     (present,) = training._backward  # only the loss's gradient reached backward
     assert present[0] and not any(present[1:])
 
@@ -300,10 +300,6 @@ def test_gradient_accumulation_and_clipping_work_unchanged():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
-def _trainings(model: ORTModule):
-    return [t for entries in model._cache.values() for graphs in entries for t in graphs.training.values()]
-
-
 def test_a_padded_table_looked_up_twice_and_tied_to_the_projection_matches_eager():
     """BART's layout: one table with padding_idx, looked up by an encoder and a decoder embedding and used
     as the output projection. PyTorch leaves the lookups' rows at the padding id out of the gradient and
@@ -332,7 +328,7 @@ def test_a_padded_table_looked_up_twice_and_tied_to_the_projection_matches_eager
     (got,), (want,) = [p.grad for p in model.parameters()], [p.grad for p in reference.parameters()]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert want[1].abs().max() > 0  # the projection's share of the padding row stays
-    (training,) = _trainings(model)
+    (training,) = trainings(model)
     assert list(training.padding_ids.values()) == [1] and not training.zero_rows
 
 
@@ -361,7 +357,7 @@ def test_scale_grad_by_freq_and_padding_idx_match_eager(tied):
             m(ids).backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
-    (training,) = _trainings(model)
+    (training,) = trainings(model)
     assert len(training.freq_scaled) == 1 and list(training.padding_ids.values()) == [0]
 
 
@@ -376,7 +372,7 @@ def test_outputs_outside_the_loss_are_left_out_of_backward(use_logits):
         (out.loss + out.logits.square().mean() if use_logits else out.loss).backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6, msg=name)
-    (training,) = _trainings(model)
+    (training,) = trainings(model)
     (present, session), = training._backward.items()  # one backward session was made
     assert present == ((True, True) if use_logits else (True, False))
     assert session is not None
@@ -403,7 +399,7 @@ def test_an_absent_output_gradient_that_cannot_be_pruned_is_fed_as_zeros():
         m(x)[0].backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
-    (training,) = _trainings(model)
+    (training,) = trainings(model)
     assert set(training._backward) == {(True, False), (True, True)}  # the full graph ran, fed a zero tensor
     assert training._backward[(True, False)] is None
 
@@ -433,6 +429,6 @@ def test_embedding_gradients_are_added_up_by_torch_and_match_eager():
             m(ids).backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
-    (training,) = _trainings(model)
+    (training,) = trainings(model)
     assert sorted(s.base is None for s in training.row_scatters.scatters) == [False, True, True]
     assert training.padding_ids and not training.zero_rows  # kind's padding id: its rows are left out
