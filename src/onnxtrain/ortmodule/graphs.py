@@ -261,7 +261,6 @@ def _reaches(graph: ir.Graph, targets: list[ir.Value]) -> set[ir.Value]:
     return reach
 
 
-
 class Saver:
     """Writes graphs to ``<dir>/<prefix>_<tag>_<kind>.onnx`` for DebugOptions(save_onnx=True)."""
 

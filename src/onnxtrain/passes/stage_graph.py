@@ -183,7 +183,7 @@ def _build(model, nodes, order: list[int], stage_of: dict[int, int], copied: set
     # front: they read only graph inputs and constants.
     for s in range(num):
         needed: set[int] = set()
-        stack = [k for k in members[s]]
+        stack = list(members[s])
         while stack:
             for v in nodes[stack.pop()].input:
                 p = producer.get(v)
@@ -203,11 +203,8 @@ def _build(model, nodes, order: list[int], stage_of: dict[int, int], copied: set
     stages = []
     for s in range(num):
         made = {o for k in members[s] for o in nodes[k].output if o}
-        stage_inputs: list[str] = []
-        for k in members[s]:
-            for v in nodes[k].input:
-                if v and v not in made and v not in initializers and v not in stage_inputs:
-                    stage_inputs.append(v)
+        stage_inputs = list(dict.fromkeys(v for k in members[s] for v in nodes[k].input
+                                          if v and v not in made and v not in initializers))
         stage_outputs = [o for k in members[s] if k not in copied for o in nodes[k].output
                          if o and made_in.get(o) == s and (o in graph_outputs or last_read.get(o, -1) > s)]
         release = [v for v in stage_inputs if last_read.get(v) == s and v not in graph_outputs]
