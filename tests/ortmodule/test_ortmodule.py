@@ -380,6 +380,35 @@ def test_outputs_outside_the_loss_are_left_out_of_backward(use_logits):
     assert session.input_names == (full_inputs if use_logits else full_inputs[:1] + full_inputs[2:])
 
 
+def test_bias_sums_become_matmuls_after_the_absent_gradients_are_pruned():
+    """A bias shared by two heads: its gradient sums both heads' output gradients over batch and
+    sequence. With only the first head in the loss, the second's sum reads a zero input, which pruning
+    removes; the sums left become MatMuls by ones (passes/sum_rows_by_matmul.py) only after that, since
+    pruning cannot see through the Shape those read. Gradients match eager."""
+
+    class SharedBias(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 6, bias=False)
+            self.bias = torch.nn.Parameter(torch.randn(6))
+
+        def forward(self, x):
+            h = self.fc(x)
+            return (torch.tanh(h + self.bias) ** 2).sum(), h * 2 + self.bias
+
+    reference, model = _pair(SharedBias)
+    x = torch.randn(3, 5, 4)
+    for m in (model, reference):
+        m(x)[0].backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    (training,) = trainings(model)
+    (present, session), = training._backward.items()
+    assert present == (True, False) and session is not None  # pruned, not fed zeros
+    ops = [n.op_type for stage in session.staged.stages for n in stage.model.graph.node]
+    assert "ReduceSum" not in ops and "MatMul" in ops
+
+
 def test_an_absent_output_gradient_that_cannot_be_pruned_is_fed_as_zeros():
     """The second output's gradient passes a Where, which the pruning pass does not simplify: backward
     runs the full graph with a zero tensor for it, and still matches eager."""

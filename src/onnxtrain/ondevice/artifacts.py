@@ -48,6 +48,7 @@ from onnxtrain.passes.expand_cross_entropy import (
     expand_cross_entropy,
 )
 from onnxtrain.passes.optimize import OptimizePass
+from onnxtrain.passes.sum_rows_by_matmul import SumRowsByMatMulPass
 from onnxtrain.utils.io import load_model, save_model_atomic
 
 
@@ -286,6 +287,7 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict) -> onnx.ModelP
     loss_value = graph.outputs[0]
     grads = add_gradient_outputs(model, wrt, [loss_value], names=info["trainable"])
     ExpandCrossEntropyPass()(model)
+    SumRowsByMatMulPass()(model)
     meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen")}
     model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training", "format": TRAINING_MODEL_FORMAT,
                                                               "gradients": [g.name for g in grads]})

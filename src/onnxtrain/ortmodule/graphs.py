@@ -38,6 +38,7 @@ from onnxtrain.passes import (
 from onnxtrain.passes.defer_row_scatters import RowScatters, defer_row_scatters
 from onnxtrain.passes.expand_cross_entropy import expand_cross_entropy
 from onnxtrain.passes.stage_graph import CannotStage, one_stage, stage_graph
+from onnxtrain.passes.sum_rows_by_matmul import sum_rows_by_matmul
 from onnxtrain.passes.zero_inputs import CannotPrune, prune_zero_inputs
 from onnxtrain.runtime.session import TorchSession, session_options
 from onnxtrain.runtime.staged import StagedSession
@@ -102,6 +103,7 @@ class Training:
                 return None
             logger.info("built a backward graph without the output gradients %s", absent)
         proto = strip_stop_gradients(proto)
+        proto = sum_rows_by_matmul(proto)  # after pruning, which cannot see through the Shape it reads
         try:
             staged = stage_graph(proto, input_bytes, self.backward_stages, MIN_STAGE_BYTES)
         except CannotStage as exc:
