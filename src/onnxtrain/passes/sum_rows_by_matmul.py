@@ -129,13 +129,12 @@ def _rewrite(graph: ir.Graph, node: ir.Node, k: int, shared: dict[tuple, ir.Valu
     rows = emit("Flatten", [x], [None, width], "rows", axis=k)
     ones = shared.get((x.dtype, leading)) if leading is not None else None
     if ones is None:
-        one = ir.tensor(np.ones(1, x.dtype.numpy()))
         if leading is not None and all(isinstance(d, int) for d in leading):
-            ones = emit("Constant", [], [math.prod(leading)], "ones",
-                        value=ir.tensor(np.ones(math.prod(leading), x.dtype.numpy())))
+            size = math.prod(leading)
+            ones = emit("Constant", [], [size], "ones", value=ir.tensor(np.ones(size, x.dtype.numpy())))
         else:
             count = emit("Shape", [rows], [1], "count", ir.DataType.INT64, start=0, end=1)
-            ones = emit("ConstantOfShape", [count], [None], "ones", value=one)
+            ones = emit("ConstantOfShape", [count], [None], "ones", value=ir.tensor(np.ones(1, x.dtype.numpy())))
         if leading is not None:
             shared[(x.dtype, leading)] = ones
     out = emit("MatMul", [ones, rows], [width], "MatMul")
