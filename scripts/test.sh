@@ -10,3 +10,6 @@ python -m pip install -q -e ".[test]"
 
 echo "== tier: default pytest suite"
 python -m pytest
+
+echo "== tier: the whole OpInfo sweep through ORTModule (tests/opinfo, -m opinfo_full)"
+python -m pytest -m opinfo_full tests/opinfo

@@ -62,6 +62,8 @@ class FlatModule(torch.nn.Module):
         args, kwargs = unflatten(tensors, self.input_spec)
         out = self.module(*args, **kwargs)
         flat, self.record["output_spec"] = flatten(out, "output")
+        if any(t.is_complex() for t in flat):  # the exporter writes them as real (..., 2) tensors
+            raise ExportError("the forward returns a complex tensor, which ORTModule does not support")
         buffers = dict(self.module.named_buffers(remove_duplicate=False))
         return (*flat, *(buffers[name] for name in self.buffer_names))
 
