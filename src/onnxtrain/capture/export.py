@@ -15,12 +15,13 @@ import logging
 import threading
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import onnx
 import onnx_ir as ir
 import torch
 
-from onnxtrain.capture.flatten import Spec, flatten, unflatten
+from onnxtrain.capture.flatten import Constant, Spec, flatten, unflatten
 from onnxtrain.capture.promotion import needs_type_promotion
 from onnxtrain.capture.registry import lazy_registry, registry_key
 from onnxtrain.capture.stop_gradient import mark_stop_gradients
@@ -97,6 +98,10 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, verbose: bool
         try:
             model = globals()[_EXPORTERS[label]](wrapper, flat, verbose)
             break
+        except TraceDependsOnExample as exc:  # the reason, in one line, with the dynamo exporter's first line
+            logger.info("export: %s", "\n".join(errors))
+            raise TraceDependsOnExample(f"{exc}; torch.export failed too (log level INFO shows why)" if errors
+                                        else str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - any exporter failure: try the next, report all
             errors.append(f"{label} failed: {type(exc).__name__}: {exc}")
             logger.info("export: %s", errors[-1])
@@ -162,13 +167,36 @@ def _export_torchscript(wrapper: FlatModule, flat: list[torch.Tensor], verbose: 
     axes = {name: {a: f"{name}_dim{a}" for a in dynamic_axes(t)} for name, t in zip(names, flat)}
     mode = torch.onnx.TrainingMode.TRAINING if wrapper.training else torch.onnx.TrainingMode.EVAL
     buffer = io.BytesIO()
-    with _quiet(verbose):
+    with _quiet(verbose), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", torch.jit.TracerWarning)  # also those torch's own filters hide
         torch.onnx.export(
             wrapper, tuple(flat), buffer, dynamo=False, input_names=names, dynamic_axes=axes,
             training=mode, do_constant_folding=False, opset_version=OPSET, verbose=verbose,
         )
+    _refuse_example_dependent_trace(caught)
     proto = onnx.load_from_string(buffer.getvalue())
     return ir.from_proto(proto)
+
+
+class TraceDependsOnExample(ExportError):
+    """The TorchScript trace recorded what the example input did, not what the code does for every input."""
+
+
+def _refuse_example_dependent_trace(caught: list[warnings.WarningMessage]) -> None:
+    """Raise if tracing warned that the trace depends on the example: a data-dependent branch or a tensor
+    turned into a Python number (frozen into the graph as the example's value), or an output that does
+    not depend on the inputs. Any ``TracerWarning`` says so; the first one is the reason, in one line."""
+    for w in caught:
+        if issubclass(w.category, torch.jit.TracerWarning):
+            where = f"{Path(w.filename).name}:{w.lineno}"
+            raise TraceDependsOnExample(f"the TorchScript trace depends on the example input (TracerWarning at "
+                                        f"{where}: {_first_sentence(str(w.message))}): it would train what the "
+                                        "first batch did on every batch")
+
+
+def _first_sentence(text: str) -> str:
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return line.split(". ")[0].rstrip(".")
 
 
 _PATCH_LOCK = threading.Lock()
@@ -308,6 +336,9 @@ def _finish(model: ir.Model, wrapper: FlatModule, output_spec: Spec, flat: list[
             graph.initializers[value.name] = value
     num_outputs = len(graph.outputs) - len(wrapper.buffer_names)
     mutated = _drop_unchanged_buffers(graph, wrapper.buffer_names, num_outputs)
+    if not graph.outputs:  # onnxruntime refuses a graph without outputs (in C++, at session creation)
+        raise ExportError(f"the forward returns no tensor ({_describe(output_spec)}) and updates no buffer: "
+                          "there is nothing for onnxruntime to compute")
     static = [
         {axis: dim for axis, dim in enumerate(value.shape or []) if isinstance(dim, int)}
         for value in graph.inputs
@@ -318,6 +349,13 @@ def _finish(model: ir.Model, wrapper: FlatModule, output_spec: Spec, flat: list[
             "the module does not use may have been dropped. Remove unused tensor arguments."
         )
     return Captured(model, output_spec, num_outputs, mutated, exporter, static)
+
+
+def _describe(spec: Spec) -> str:
+    """What a forward without tensor outputs returned, for the error: ``None``, ``a str``, ``a tuple``."""
+    if isinstance(spec, Constant):
+        return "None" if spec.value is None else f"a {spec.kind.__name__}"
+    return f"a {getattr(spec, 'kind', type(spec)).__name__} of no tensors"
 
 
 def _drop_unchanged_buffers(graph: ir.Graph, buffer_names: list[str], num_outputs: int) -> list[str]:

@@ -19,16 +19,17 @@ from collections import OrderedDict
 
 import torch
 
-from onnxtrain.capture import capture, flatten, unflatten
+from onnxtrain.capture import capture, flatten, leaf_paths, unflatten
 from onnxtrain.ortmodule.function import ORTFunction, reseed
 from onnxtrain.ortmodule.graphs import Saver, SchemaGraphs, build_training, prepare
 from onnxtrain.ortmodule.options import FALLBACK_ENV, DebugOptions
+from onnxtrain.ortmodule.verify import VerificationError, first_difference
 from onnxtrain.utils.gc import young_objects_only
 
 logger = logging.getLogger("onnxtrain.ortmodule")
 
 # Attributes that live on the ORTModule itself; everything else is looked up on the wrapped module.
-_OWN = ("_cache", "_debug", "_fallback_reason", "_export_count", "_schema_ids")
+_OWN = ("_cache", "_debug", "_fallback_reason", "_export_count", "_schema_ids", "_autocast_warned", "_verified")
 
 
 class ORTModule(torch.nn.Module):
@@ -46,6 +47,8 @@ class ORTModule(torch.nn.Module):
         self._schema_ids: dict[tuple, int] = {}
         self._fallback_reason: str | None = None
         self._export_count = 0
+        self._autocast_warned = False
+        self._verified: set[int] = set()  # ids of the graphs (inference or training) verify has checked
         logger.setLevel(self._debug.log_level.python_level)
 
     # -- what users see -------------------------------------------------------------------
@@ -67,6 +70,7 @@ class ORTModule(torch.nn.Module):
         if self._fallback_reason is not None:
             return self.module(*args, **kwargs)
         tensors, spec = flatten((args, kwargs))
+        self._warn_if_autocast(tensors)
         try:
             graphs = self._graphs_for(args, kwargs, tensors, spec)
             state = self._state(graphs)
@@ -74,6 +78,12 @@ class ORTModule(torch.nn.Module):
         except Exception as exc:  # noqa: BLE001 - any export/build failure falls back (or re-raises)
             self._fall_back(exc)
             return self.module(*args, **kwargs)
+        if self._debug.verify and id(training or graphs) not in self._verified:
+            self._verified.add(id(training or graphs))
+            problem = self._verify(graphs, training, args, kwargs, tensors, state, spec)
+            if problem is not None:
+                self._fall_back(VerificationError(f"verify: {problem}, on the first batch of a new graph"))
+                return self.module(*args, **kwargs)
         if training is None:
             outputs = self._run_inference(graphs, tensors, state)
         else:
@@ -81,6 +91,19 @@ class ORTModule(torch.nn.Module):
         user = outputs[: graphs.num_outputs]
         self._update_buffers(graphs, outputs[graphs.num_outputs:])
         return unflatten(list(user), graphs.captured.output_spec)
+
+    def _warn_if_autocast(self, tensors: list[torch.Tensor]) -> None:
+        """Under ``torch.autocast`` the graphs still run in float32: say so, once per ORTModule."""
+        if self._autocast_warned:
+            return
+        device = _device_of(self.module, tensors).type
+        if not torch.is_autocast_enabled(device):
+            return
+        self._autocast_warned = True
+        warnings.warn(f"ORTModule runs {type(self.module).__name__} in float32 under torch.autocast("
+                      f"{device!r}, dtype={torch.get_autocast_dtype(device)}): onnxtrain does not apply autocast "
+                      "to the onnxruntime graphs (the values match PyTorch's float32, not its mixed precision)",
+                      UserWarning, stacklevel=3)
 
     # -- graphs ---------------------------------------------------------------------------
     def _schema(self, spec, tensors: list[torch.Tensor]) -> tuple:
@@ -154,6 +177,33 @@ class ORTModule(torch.nn.Module):
         return Saver(self._debug.save_dir, self._debug.onnx_prefix, tag)
 
     # -- running --------------------------------------------------------------------------
+    def _verify(self, graphs: SchemaGraphs, training, args, kwargs, tensors, state, spec) -> str | None:
+        """Run this batch through onnxruntime and through eager from the same RNG state and buffers;
+        the first output or gradient that differs, or None (:mod:`onnxtrain.ortmodule.verify`)."""
+        if graphs.random:
+            warnings.warn(f"ORTModule(verify) cannot check {type(self.module).__name__}'s graph: it draws random "
+                          "numbers (dropout) that onnxruntime draws differently from PyTorch. Verify it with "
+                          "dropout set to 0.", UserWarning, stacklevel=3)
+            return None
+        flags = [t.requires_grad for t in (*tensors, *state)] if training is not None else []
+        names = [*leaf_paths(spec, "input"), *graphs.state_names]
+        wrt = [t for t, flag in zip((*tensors, *state), flags) if flag]
+        wrt_names = [n for n, flag in zip(names, flags) if flag]
+        rng = torch.get_rng_state()
+
+        def run_ort():
+            if training is None:
+                return self._run_inference(graphs, tensors, state)[: graphs.num_outputs]
+            return list(ORTFunction.apply(graphs, training, *tensors, *state)[: graphs.num_outputs])
+
+        def run_eager():
+            torch.set_rng_state(rng)
+            return flatten(self.module(*args, **kwargs), "output")[0]
+
+        with _no_side_effects(self.module):
+            return first_difference(run_ort, run_eager, leaf_paths(graphs.captured.output_spec, "output"),
+                                    wrt, wrt_names)
+
     def _run_inference(self, graphs: SchemaGraphs, tensors, state) -> list[torch.Tensor]:
         session = graphs.inference_session()
         with torch.no_grad():
@@ -210,6 +260,7 @@ class ORTModule(torch.nn.Module):
         state = self.__dict__.copy()
         state["_cache"] = {}
         state["_schema_ids"] = {}
+        state["_verified"] = set()
         return state
 
     def __setstate__(self, state):
