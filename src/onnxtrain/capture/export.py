@@ -22,6 +22,7 @@ import onnx_ir as ir
 import torch
 
 from onnxtrain.capture.flatten import Constant, Spec, flatten, unflatten
+from onnxtrain.capture.moe import moe_translations
 from onnxtrain.capture.promotion import needs_type_promotion
 from onnxtrain.capture.registry import lazy_registry, registry_key
 from onnxtrain.capture.stop_gradient import mark_stop_gradients
@@ -157,7 +158,7 @@ def _export_dynamo_with(wrapper: FlatModule, flat: list[torch.Tensor], verbose: 
     with _quiet(verbose), _exporter_shortcuts(keep_stack_traces=verbose):
         program = torch.onnx.export(
             wrapper, tuple(flat), dynamo=True, dynamic_shapes=(shapes,), optimize=False,
-            custom_translation_table=TRANSLATIONS, opset_version=OPSET, verbose=verbose,
+            custom_translation_table={**TRANSLATIONS, **moe_translations()}, opset_version=OPSET, verbose=verbose,
         )
     return program.model
 
