@@ -42,7 +42,8 @@ from onnxtrain.blocks.loss import (
     MSELoss,
 )
 from onnxtrain.ondevice import checkpoint as ckpt
-from onnxtrain.ondevice.api import TRAINING_METADATA_KEY, TRAINING_MODEL_FORMAT
+from onnxtrain.ondevice.format import TRAINING_METADATA_KEY, TRAINING_MODEL_FORMAT
+from onnxtrain.ondevice.input_ranges import input_ranges
 from onnxtrain.passes.expand_cross_entropy import (
     ExpandCrossEntropyPass,
     expand_cross_entropy,
@@ -262,7 +263,8 @@ def build_eval_model(proto: onnx.ModelProto, requires_grad, frozen_params, loss,
     _set_outputs(graph, loss_value, sources[0].dtype, _as_list(additional_output_names, "additional_output_names"), taken)
     onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
     info = {"user_inputs": user_inputs, "outputs": [v.name for v in graph.outputs],
-            "trainable": trainable, "frozen": frozen}
+            "trainable": trainable, "frozen": frozen,
+            "input_checks": input_ranges(graph, loss, sources, user_inputs)}
     graph.metadata_props.clear()
     model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**info, "kind": "eval"})
     proto = _infer_shapes(ir_version_for_onnxruntime(ir.to_proto(model)))
@@ -290,7 +292,7 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict) -> onnx.ModelP
     grads = add_gradient_outputs(model, wrt, [loss_value], names=info["trainable"])
     ExpandCrossEntropyPass()(model)
     SumRowsByMatMulPass()(model)
-    meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen")}
+    meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen", "input_checks")}
     model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training", "format": TRAINING_MODEL_FORMAT,
                                                               "gradients": [g.name for g in grads]})
     return ir_version_for_onnxruntime(ir.to_proto(model))
