@@ -10,3 +10,10 @@ python -m pip install -q -e ".[test]"
 
 echo "== tier: default pytest suite"
 python -m pytest
+
+echo "== tier: web (onnxtrain-web in Node and in headless Chromium)"
+# npm packages from the lockfile; Debian's chromium if absent (no browser download by npm).
+if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+fi
+(cd web && npm ci --no-audit --no-fund && npm test && npm run test:browser)
