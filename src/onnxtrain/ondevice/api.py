@@ -32,6 +32,7 @@ import numpy as np
 import onnxruntime as ort
 
 from onnxtrain.ondevice import checkpoint as ckpt
+from onnxtrain.runtime import backends
 from onnxtrain.utils.chunks import chunking, padded_size
 from onnxtrain.utils.ort_options import for_training
 
@@ -228,15 +229,17 @@ class _FlatLayout:
 # -------------------------------------------------------------------------------------------------
 
 
-def _session(uri, session_options, device: str, what: str) -> ort.InferenceSession:
+def _session(uri, session_options, device: str, what: str, backend: str = "onnxruntime",
+             precision: str = "fp32") -> ort.InferenceSession:
+    """A session for the model at ``uri``: onnxruntime's, or one with its interface on another backend."""
     path = Path(uri)
     if not path.is_file():
         raise FileNotFoundError(f"{what} not found: {path} (generate_artifacts writes it)")
     providers = _providers(device)
     try:
-        return ort.InferenceSession(str(path), sess_options=session_options, providers=providers)
+        return backends.create_session(path, backend, precision, session_options, providers)
     except Exception as exc:
-        raise ValueError(f"onnxruntime cannot load the {what} {path}: {exc}") from exc
+        raise ValueError(f"{backend} cannot load the {what} {path}: {exc}") from exc
 
 
 def _providers(device: str) -> list[str]:
@@ -315,19 +318,27 @@ class Module:
     ``session_options`` serve the training, eval and optimizer sessions. By default
     (:func:`onnxtrain.utils.ort_options.for_training`) they share one CPU arena, use no memory patterns
     and let idle threads sleep, since the sessions take turns; options you pass are used as they are.
+
+    ``backend`` ("onnxruntime", "openvino", or None for the ``ONNXTRAIN_BACKEND`` env var, else the one the
+    precision needs) runs the training and eval models; ``precision="bf16"`` runs their products in bfloat16
+    on OpenVINO (:mod:`onnxtrain.runtime.backends`: where that cannot run, a warning and float32). The
+    optimizer model always runs on onnxruntime, in float32.
     """
 
     def __init__(self, train_model_uri: str | os.PathLike, state: CheckpointState,
                  eval_model_uri: str | os.PathLike | None = None, device: str = "cpu",
-                 session_options: ort.SessionOptions | None = None):
+                 session_options: ort.SessionOptions | None = None, backend: str | None = None,
+                 precision: str | None = None):
         if not isinstance(state, CheckpointState):
             raise TypeError(f"state must be a CheckpointState, got {type(state).__name__}")
         self._state = state
         self._device = device
+        self.backend, self.precision = backends.resolve(backend, precision, device)
         if session_options is None:
             session_options = for_training()
         self._session_options = session_options
-        session = _session(train_model_uri, session_options, device, "training model")
+        session = _session(train_model_uri, session_options, device, "training model", self.backend,
+                           self.precision)
         meta = _metadata(session, TRAINING_METADATA_KEY, train_model_uri, "training model")
         if meta.get("kind") != "training":
             raise ValueError(f"{train_model_uri} is the {meta.get('kind')} model; pass training_model.onnx as "
@@ -347,7 +358,8 @@ class Module:
         self._eval: _Runner | None = None
         self._eval_uri = eval_model_uri
         if eval_model_uri is not None:
-            eval_session = _session(eval_model_uri, session_options, device, "eval model")
+            eval_session = _session(eval_model_uri, session_options, device, "eval model", self.backend,
+                                    self.precision)
             eval_meta = _metadata(eval_session, TRAINING_METADATA_KEY, eval_model_uri, "eval model")
             self._eval = _Runner(eval_session, eval_meta, state)
         self.training = True
