@@ -37,7 +37,7 @@ class TinyTransformer(torch.nn.Module):
         self.tok = torch.nn.Embedding(vocab, dim)
         self.pos = torch.nn.Parameter(torch.randn(seq, dim) * 0.1)
         self.ln1 = torch.nn.LayerNorm(dim)
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)  # a key bias has zero gradient: Adam would amplify noise
         self.proj = torch.nn.Linear(dim, dim)
         self.ln2 = torch.nn.LayerNorm(dim)
         self.fc1 = torch.nn.Linear(dim, 2 * dim)

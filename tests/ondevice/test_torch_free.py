@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.import_blocker import BLOCK_IMPORTS
 
 SCRIPT = BLOCK_IMPORTS + textwrap.dedent("""
@@ -16,7 +18,7 @@ SCRIPT = BLOCK_IMPORTS + textwrap.dedent("""
 
     d = sys.argv[1]
     state = CheckpointState.load_checkpoint(f"{d}/checkpoint")
-    module = Module(f"{d}/training_model.onnx", state, f"{d}/eval_model.onnx")
+    module = Module(f"{d}/training_model.onnx", state, f"{d}/eval_model.onnx", backend=sys.argv[2])
     optimizer = Optimizer(f"{d}/optimizer_model.onnx", module)
     scheduler = LinearLRScheduler(optimizer, 1, 10, 1e-2)
     rng = np.random.default_rng(0)
@@ -38,8 +40,11 @@ SCRIPT = BLOCK_IMPORTS + textwrap.dedent("""
 """)
 
 
-def test_runtime_imports_no_torch(mlp_artifacts):
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(mlp_artifacts.checkpoint.parent)],
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+def test_runtime_imports_no_torch(mlp_artifacts, backend):
+    if backend == "openvino":
+        pytest.importorskip("openvino")
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(mlp_artifacts.checkpoint.parent), backend],
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("ok")
