@@ -42,12 +42,17 @@ _REDUCTIONS = ("mean", "sum")
 class LossInput:
     """An extra input of the training and eval models that the loss reads (labels, targets, weights).
 
-    ``shape`` entries are ints, dimension names (``"batch"``) or ``None`` for unknown.
+    ``shape`` entries are ints, dimension names (``"batch"``) or ``None`` for unknown. Integer inputs
+    may give ``bounds`` (low, high): the runtime refuses a value outside [low, high) other than ``ignore``,
+    naming ``what`` the values are (docs/format.md, ``input_checks``).
     """
 
     name: str
     dtype: ir.DataType | str = "float32"
     shape: Sequence[int | str | None] | None = None
+    bounds: tuple[int, int] | None = None
+    ignore: int | None = None
+    what: str = ""
 
     @classmethod
     def like(cls, value: ir.Value, name: str) -> LossInput:
@@ -155,7 +160,10 @@ class CrossEntropyLoss(_SingleOutputLoss):
     def inputs(self, output):
         dims = _dims(output.shape)
         shape = None if dims is None else [dims[0], *dims[2:]]
-        return [LossInput(self.labels_name, ir.DataType.INT64, shape)]
+        classes = dims[1] if dims is not None and len(dims) > 1 and isinstance(dims[1], int) else None
+        bounds = None if classes is None else (0, classes)
+        return [LossInput(self.labels_name, ir.DataType.INT64, shape, bounds, self.ignore_index,
+                          f"class labels of CrossEntropyLoss ({classes} classes)")]
 
     def build(self, op, output, labels):
         self._require_float(output, "CrossEntropyLoss")
