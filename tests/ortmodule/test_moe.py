@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
+import transformers
 
 from onnxtrain import ORTModule
-
-transformers = pytest.importorskip("transformers")
 
 
 def _mixtral(experts_implementation: str = "grouped_mm"):

@@ -155,3 +155,14 @@ def test_verify_from_the_environment_catches_a_frozen_python_value(monkeypatch):
     monkeypatch.setenv("ONNXTRAIN_VERIFY", "maybe")
     with pytest.raises(ValueError, match="ONNXTRAIN_VERIFY='maybe'"):
         DebugOptions()
+
+
+def test_an_exporter_without_the_stop_gradient_hook_is_not_used_silently(monkeypatch):
+    from torch.onnx._internal.exporter import _fx_passes
+
+    from onnxtrain.capture import capture
+
+    monkeypatch.delattr(_fx_passes, "decompose_with_registry")  # as a torch version that renamed it would
+    with pytest.warns(UserWarning, match="lacks the hook where onnxtrain marks detach"):
+        captured = capture(torch.nn.Linear(3, 2), (torch.randn(4, 3),), {})
+    assert captured.exporter == "torchscript"  # which says, in that warning, that it ignores detach()

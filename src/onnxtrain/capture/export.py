@@ -155,11 +155,14 @@ def _export_dynamo(wrapper: FlatModule, flat: list[torch.Tensor], verbose: bool)
 def _export_dynamo_with(wrapper: FlatModule, flat: list[torch.Tensor], verbose: bool, dynamic_ones: bool) -> ir.Model:
     auto = torch.export.Dim.AUTO
     shapes = tuple({axis: auto for axis in dynamic_axes(t) if dynamic_ones or t.shape[axis] != 1} for t in flat)
-    with _quiet(verbose), _exporter_shortcuts(keep_stack_traces=verbose):
+    with _quiet(verbose), _exporter_shortcuts(keep_stack_traces=verbose) as hooked:
         program = torch.onnx.export(
             wrapper, tuple(flat), dynamo=True, dynamic_shapes=(shapes,), optimize=False,
             custom_translation_table={**TRANSLATIONS, **moe_translations()}, opset_version=OPSET, verbose=verbose,
         )
+    if not hooked["stop_gradients"]:
+        raise ExportError(f"torch {torch.__version__}'s ONNX exporter never called the hook where onnxtrain marks "
+                          "detach() and no_grad blocks: gradients would flow through them")
     return program.model
 
 
@@ -221,19 +224,20 @@ def _exporter_shortcuts(keep_stack_traces: bool = False):
       recorded unless ``keep_stack_traces`` (verbose exports). BERT-small's export, warm, 0.66-0.70 ->
       0.60-0.61 s, and no source lines of every module on the way kept in ``linecache``.
 
-    These reach into the exporter's internals; where they are not as expected, the exporter runs unchanged
-    (and a warning says that gradients may then flow through ``detach()`` and ``no_grad`` blocks).
+    These reach into the exporter's internals. Where the hooks are missing, or the exporter never calls the
+    one that marks stop-gradients, the export fails with that reason (gradients would flow through
+    ``detach()`` and ``no_grad`` blocks); the other shortcuts fall back to the exporter's own step.
     """
     try:
         from torch.onnx._internal.exporter import _fx_passes, _registration
         original_decompose = _fx_passes.decompose_with_registry
         original_promote = _fx_passes.insert_type_promotion_nodes
         original_registry = _registration.ONNXRegistry.__dict__["from_torchlib"].__func__
-    except (ImportError, AttributeError, KeyError):
-        warnings.warn("this torch version's ONNX exporter has no hook for onnxtrain: gradients may flow through "
-                      "detach() and torch.no_grad() blocks of the module", UserWarning, stacklevel=4)
-        yield
-        return
+    except (ImportError, AttributeError, KeyError) as exc:
+        raise ExportError(f"torch {torch.__version__}'s ONNX exporter lacks the hook where onnxtrain marks detach() "
+                          f"and no_grad blocks ({type(exc).__name__}: {exc}): gradients would flow through them"
+                          ) from None
+    hooked = {"stop_gradients": False}  # set once the exporter has called the hook that marks them
 
     def from_torchlib(cls, opset_version=None):
         opset = opset_version if opset_version is not None else _registration._constants.TORCHLIB_OPSET
@@ -244,6 +248,7 @@ def _exporter_shortcuts(keep_stack_traces: bool = False):
             return original_registry(cls, opset)
 
     def decompose(program, registry):
+        hooked["stop_gradients"] = True
         if mark_stop_gradients(program):  # before anything else: gradients depend on it
             logger.debug("detach() / no_grad regions marked as stop-gradient")
         try:
@@ -273,7 +278,7 @@ def _exporter_shortcuts(keep_stack_traces: bool = False):
         if stack_traces is not None and not keep_stack_traces:
             fx_config.do_not_emit_stack_traces = True
         try:
-            yield
+            yield hooked
         finally:
             if stack_traces is not None:
                 fx_config.do_not_emit_stack_traces = stack_traces
