@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnx_ir.passes.common
 
 from onnxtrain.autodiff.builder import GraphBuilder, is_float
 from onnxtrain.autodiff.engine import (
@@ -32,7 +31,6 @@ from onnxtrain.autodiff.engine import (
     prepare_model,
     values_by_name,
 )
-from onnxtrain.autodiff.stop_gradient import strip_stop_gradients
 from onnxtrain.blocks import optim as optim_blocks
 from onnxtrain.blocks.loss import (
     BCEWithLogitsLoss,
@@ -44,12 +42,7 @@ from onnxtrain.blocks.loss import (
 from onnxtrain.ondevice import checkpoint as ckpt
 from onnxtrain.ondevice.format import TRAINING_METADATA_KEY, TRAINING_MODEL_FORMAT
 from onnxtrain.ondevice.input_ranges import input_ranges
-from onnxtrain.passes.expand_cross_entropy import (
-    ExpandCrossEntropyPass,
-    expand_cross_entropy,
-)
-from onnxtrain.passes.optimize import OptimizePass
-from onnxtrain.passes.sum_rows_by_matmul import SumRowsByMatMulPass
+from onnxtrain.passes import pipeline
 from onnxtrain.utils.atomic import atomic_file_set, refuse_existing
 from onnxtrain.utils.io import load_model, save_model_atomic
 
@@ -247,11 +240,11 @@ def build_eval_model(proto: onnx.ModelProto, requires_grad, frozen_params, loss,
     """The eval model (forward + loss) and a description: parameters, user inputs, outputs."""
     model = ir.from_proto(proto)
     graph = model.graph
-    onnx_ir.passes.common.TopologicalSortPass()(model)
     trainable, frozen = select_parameters(graph, requires_grad, frozen_params)
     n_user = len(graph.inputs)
     params = _lift_to_inputs(graph, trainable + frozen)
-    OptimizePass()(model)  # parameters are inputs now: only true constants (shape arithmetic) fold
+    model = pipeline.artifacts_forward()(model)
+    graph = model.graph
     sources = _loss_sources(graph, loss_input_names)
     taken = set(values_by_name(graph))
     loss_value = _append_loss(graph, loss, sources, taken)  # its inputs go after the model's
@@ -261,7 +254,8 @@ def build_eval_model(proto: onnx.ModelProto, requires_grad, frozen_params, loss,
     graph.inputs.extend(rest + lifted)  # model inputs, loss inputs, then the parameters
     user_inputs = [v.name for v in rest]
     _set_outputs(graph, loss_value, sources[0].dtype, _as_list(additional_output_names, "additional_output_names"), taken)
-    onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
+    model = pipeline.artifacts_eval()(model)
+    graph = model.graph
     info = {"user_inputs": user_inputs, "outputs": [v.name for v in graph.outputs],
             "trainable": trainable, "frozen": frozen,
             "input_checks": input_ranges(graph, loss, sources, user_inputs)}
@@ -290,8 +284,7 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict) -> onnx.ModelP
     wrt = [by_name[n] for n in info["trainable"]]
     loss_value = graph.outputs[0]
     grads = add_gradient_outputs(model, wrt, [loss_value], names=info["trainable"])
-    ExpandCrossEntropyPass()(model)
-    SumRowsByMatMulPass()(model)
+    model = pipeline.artifacts_training()(model)
     meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen", "input_checks")}
     model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training", "format": TRAINING_MODEL_FORMAT,
                                                               "gradients": [g.name for g in grads]})
@@ -330,8 +323,8 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     proto = prepare_model(load_model(model))
     eval_proto, info = build_eval_model(proto, requires_grad, frozen_params, loss_block,
                                         additional_output_names, loss_input_names)
-    training_proto = strip_stop_gradients(build_training_model(eval_proto, info))
-    eval_proto = strip_stop_gradients(expand_cross_entropy(eval_proto))  # runnable on any ONNX runtime
+    training_proto = build_training_model(eval_proto, info)
+    eval_proto = ir.to_proto(pipeline.artifacts_eval_export()(ir.from_proto(eval_proto)))
 
     values = info["values"]
     opt_proto = None
