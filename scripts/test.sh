@@ -10,3 +10,19 @@ python -m pip install -q -e ".[test]"
 
 echo "== tier: default pytest suite"
 python -m pytest
+
+echo "== tier: flower (federated learning; flwr 1.41 in its own venv, since it pins packaging/rich/typer)"
+FLOWER_VENV="${FLOWER_VENV:-.venv-flower}"
+if ! "$FLOWER_VENV/bin/python" -c "import flwr" 2>/dev/null; then
+    python -m venv --system-site-packages "$FLOWER_VENV"
+    "$FLOWER_VENV/bin/python" -m pip install -q "flwr==1.41.0"
+fi
+FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_DISABLE_UPDATE_CHECK=1 FLWR_TELEMETRY_ENABLED=0 \
+    timeout 900 "$FLOWER_VENV/bin/python" -m pytest -m flower tests/federated
+
+echo "== tier: web (onnxtrain-web in Node and in headless Chromium)"
+# npm packages from the lockfile; Debian's chromium if absent (no browser download by npm).
+if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+fi
+(cd web && npm ci --no-audit --no-fund && npm test && npm run test:browser)

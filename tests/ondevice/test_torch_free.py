@@ -9,18 +9,9 @@ import textwrap
 
 import pytest
 
-SCRIPT = textwrap.dedent("""
-    import sys
+from tests.import_blocker import BLOCK_IMPORTS
 
-    BLOCKED = ("torch", "onnx", "onnx_ir", "onnxscript", "transformers")
-
-    class Block:
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in BLOCKED:
-                raise ImportError(f"{name} is blocked in this test")
-            return None
-
-    sys.meta_path.insert(0, Block())
+SCRIPT = BLOCK_IMPORTS + textwrap.dedent("""
 
     import numpy as np
     from onnxtrain.api import CheckpointState, LinearLRScheduler, Module, Optimizer

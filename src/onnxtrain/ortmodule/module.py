@@ -72,6 +72,7 @@ class ORTModule(torch.nn.Module):
 
     @property
     def debug_options(self) -> DebugOptions:
+        """The :class:`DebugOptions` this module was made with."""
         return self._debug
 
     def forward(self, *args, **kwargs):
