@@ -72,23 +72,6 @@ def test_a_data_dependent_branch_falls_back_and_trains_the_branch_each_batch_tak
     torch.testing.assert_close(model.module.fc.weight.grad, reference.fc.weight.grad)
 
 
-def test_autocast_is_warned_about_once_naming_the_model():
-    torch.manual_seed(0)
-    model = ORTModule(torch.nn.Sequential(torch.nn.Linear(4, 4)))
-    x = torch.randn(2, 4)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.warns(UserWarning, match=r"runs Sequential in float32 under torch.autocast\('cpu'"):
-            out = model(x)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            model(x)  # once
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out, model.module(x))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        ORTModule(torch.nn.Linear(4, 4))(x)  # no autocast, no warning
-
-
 CALLS = {"count": 0}
 
 
