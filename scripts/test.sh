@@ -19,3 +19,10 @@ if ! "$FLOWER_VENV/bin/python" -c "import flwr" 2>/dev/null; then
 fi
 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_DISABLE_UPDATE_CHECK=1 FLWR_TELEMETRY_ENABLED=0 \
     timeout 900 "$FLOWER_VENV/bin/python" -m pytest -m flower tests/federated
+
+echo "== tier: web (onnxtrain-web in Node and in headless Chromium)"
+# npm packages from the lockfile; Debian's chromium if absent (no browser download by npm).
+if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+fi
+(cd web && npm ci --no-audit --no-fund && npm test && npm run test:browser)

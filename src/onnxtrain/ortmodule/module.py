@@ -61,6 +61,7 @@ class ORTModule(torch.nn.Module):
 
     @property
     def debug_options(self) -> DebugOptions:
+        """The :class:`DebugOptions` this module was made with."""
         return self._debug
 
     def forward(self, *args, **kwargs):

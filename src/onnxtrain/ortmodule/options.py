@@ -4,7 +4,9 @@ Environment variables (read when an ORTModule is created):
 
 - ``ONNXTRAIN_FALLBACK=0`` turns the fallback to PyTorch off: an export or graph-building error is raised
   instead of warned about. ``DebugOptions(fallback=...)`` overrides it.
-- ``ONNXTRAIN_LOG_LEVEL=VERBOSE|INFO|WARNING|ERROR|FATAL`` sets the default log level.
+- ``ONNXTRAIN_LOG_LEVEL=VERBOSE|INFO|WARNING|ERROR|FATAL`` sets the default log level: onnxtrain's
+  messages at that level go to stderr (:mod:`onnxtrain.utils.logs`), and VERBOSE also lets the exporter's
+  and onnxruntime's own output through.
 - ``ONNXTRAIN_BACKWARD_STAGES=N`` (default 4; read when training graphs are built) runs each backward
   graph as up to N onnxruntime sessions in turn, so that the forward's stashed activations are freed as
   backward goes instead of when it ends. 1 runs it whole. A stage is cut only where it frees at least
@@ -18,6 +20,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from onnxtrain.utils.logs import set_level as set_log_level
 
 FALLBACK_ENV = "ONNXTRAIN_FALLBACK"
 LOG_LEVEL_ENV = "ONNXTRAIN_LOG_LEVEL"
@@ -39,6 +43,7 @@ class LogLevel(enum.IntEnum):
 
     @property
     def python_level(self) -> int:
+        """The matching level of Python's ``logging`` (VERBOSE is DEBUG)."""
         return {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR, 4: logging.CRITICAL}[
             int(self)
         ]
@@ -100,6 +105,7 @@ class DebugOptions:
         if isinstance(self.log_level, str):
             self.log_level = LogLevel[self.log_level.upper()]
         self.log_level = LogLevel(self.log_level)
+        set_log_level(self.log_level.python_level)  # prints on stderr without the user configuring logging
         if self.save_onnx and not self.onnx_prefix:
             raise ValueError("DebugOptions(save_onnx=True) needs an onnx_prefix naming the saved files")
         if self.fallback is None:
@@ -107,4 +113,5 @@ class DebugOptions:
 
     @property
     def save_dir(self) -> Path:
+        """The folder ``save_onnx`` writes to (``save_path``, default the current folder)."""
         return Path(self.save_path or ".")
