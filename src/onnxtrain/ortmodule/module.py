@@ -7,8 +7,14 @@
 
 One set of graphs is built per input *schema*: the structure of the arguments, non-tensor argument values,
 tensor dtypes, ranks, devices and ``requires_grad``, train/eval mode, and the parameters' dtypes, devices
-and ``requires_grad``. Batch and sequence lengths are
+and ``requires_grad``, and the ``torch.autocast`` state. Batch and sequence lengths are
 dynamic and never cause a new export.
+
+Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` the float32 graphs run on OpenVINO with its bfloat16
+precision hint (onnxtrain.runtime.backends; without the ``openvino`` package or a CPU with bfloat16, a
+warning once and float32). Outputs are float32 where eager autocast's would be bfloat16. Other autocast
+states (float16 on CPU, any on CUDA) are not supported yet: a warning once, and the graphs run float32.
+``backend=`` (or the ``ONNXTRAIN_BACKEND`` env var) picks the engine: "onnxruntime" (default) or "openvino".
 """
 
 from __future__ import annotations
@@ -23,18 +29,21 @@ from onnxtrain.capture import capture, flatten, unflatten
 from onnxtrain.ortmodule.function import ORTFunction, reseed
 from onnxtrain.ortmodule.graphs import Saver, SchemaGraphs, build_training, prepare
 from onnxtrain.ortmodule.options import FALLBACK_ENV, DebugOptions
+from onnxtrain.runtime import backends
 from onnxtrain.utils.gc import young_objects_only
 
 logger = logging.getLogger("onnxtrain.ortmodule")
 
 # Attributes that live on the ORTModule itself; everything else is looked up on the wrapped module.
-_OWN = ("_cache", "_debug", "_fallback_reason", "_export_count", "_schema_ids")
+_OWN = ("_cache", "_debug", "_fallback_reason", "_export_count", "_schema_ids", "_backend")
+_warned_autocast: set[tuple] = set()
 
 
 class ORTModule(torch.nn.Module):
     """A ``torch.nn.Module`` that runs ``module`` in onnxruntime (see the module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None):
+    def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None,
+                 backend: str | None = None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, not a {type(module).__name__}")
         if isinstance(module, ORTModule):
@@ -46,6 +55,8 @@ class ORTModule(torch.nn.Module):
         self._schema_ids: dict[tuple, int] = {}
         self._fallback_reason: str | None = None
         self._export_count = 0
+        backends.resolve(backend, None)  # an unknown or missing backend is an error now, not at the first call
+        self._backend = backend
         logger.setLevel(self._debug.log_level.python_level)
 
     # -- what users see -------------------------------------------------------------------
@@ -90,6 +101,7 @@ class ORTModule(torch.nn.Module):
             tuple((t.dtype, t.dim(), t.device, t.requires_grad) for t in tensors),
             self.module.training,
             tuple((p.dtype, p.device, p.requires_grad) for p in self.module.parameters()),
+            _autocast_state(),
         )
 
     def _graphs_for(self, args, kwargs, tensors, spec) -> SchemaGraphs:
@@ -106,18 +118,21 @@ class ORTModule(torch.nn.Module):
     def _export(self, key, index: int, args, kwargs, tensors) -> SchemaGraphs:
         tag = f"s{self._schema_ids.setdefault(key, len(self._schema_ids))}_{index}"
         logger.info("exporting %s for a new input schema (%s)", type(self.module).__name__, tag)
-        with _no_side_effects(self.module):
+        device = _device_of(self.module, tensors)
+        backend, precision = _backend_for(self._backend, device)
+        # The float32 graph is captured: the precision is the backend's business.
+        with _no_side_effects(self.module), torch.autocast(device.type, enabled=False):
             captured = capture(self.module, args, kwargs,
                                verbose=self._debug.log_level <= 0)
         self._export_count += 1
         state_names = [n for n in self._state_names() if n in captured.model.graph.initializers]
-        device = _device_of(self.module, tensors)
         saver = self._saver(tag)
         if saver is not None:
             saver(captured.model, "exported")
         graphs = prepare(captured, state_names, device, int(self._debug.log_level))
         graphs.padding_rows, graphs.freq_scaled, graphs.shared_weights = _embedding_rules(self.module)
         graphs.saver = saver
+        graphs.backend, graphs.precision = backend, precision
         if saver is not None:
             saver(graphs.base, "inference")
         return graphs
@@ -248,6 +263,26 @@ def _embedding_rules(module: torch.nn.Module) -> tuple[dict[str, int], set[str],
         if (row is not None or scaled) and uses[key] > 1:
             shared.update(aliases[key])
     return rows, by_freq, shared
+
+
+def _autocast_state() -> tuple:
+    """(enabled, dtype) of torch.autocast on CPU and on CUDA: part of the schema."""
+    return tuple((torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda"))
+
+
+def _backend_for(backend: str | None, device: torch.device) -> tuple[str, str]:
+    """The (backend, precision) that runs the graphs under the current autocast state."""
+    kind = device.type
+    if not torch.is_autocast_enabled(kind):
+        return backends.resolve(backend, "fp32", kind)
+    dtype = torch.get_autocast_dtype(kind)
+    if kind == "cpu" and dtype == torch.bfloat16:
+        return backends.resolve(backend, "bf16", kind)
+    if (kind, dtype) not in _warned_autocast:
+        _warned_autocast.add((kind, dtype))
+        warnings.warn(f"ORTModule does not run torch.autocast({kind!r}, dtype={dtype}) yet: its graphs run in "
+                      "float32 (autocast bfloat16 on CPU is supported)", RuntimeWarning, stacklevel=4)
+    return backends.resolve(backend, "fp32", kind)
 
 
 def _device_of(module: torch.nn.Module, tensors: list[torch.Tensor]) -> torch.device:
