@@ -26,3 +26,6 @@ if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null;
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
 fi
 (cd web && npm ci --no-audit --no-fund && npm test && npm run test:browser)
+
+echo "== tier: slow (the examples run end to end: demo progress, exported files kept)"
+python -m pytest -m "slow and not flower"
