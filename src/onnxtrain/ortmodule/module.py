@@ -25,17 +25,19 @@ from collections import OrderedDict
 
 import torch
 
-from onnxtrain.capture import capture, flatten, unflatten
+from onnxtrain.capture import capture, flatten, leaf_paths, unflatten
+from onnxtrain.capture.quiet import summary
 from onnxtrain.ortmodule.function import ORTFunction, reseed
 from onnxtrain.ortmodule.graphs import Saver, SchemaGraphs, build_training, prepare
 from onnxtrain.ortmodule.options import FALLBACK_ENV, DebugOptions
+from onnxtrain.ortmodule.verify import VerificationError, first_difference
 from onnxtrain.runtime import backends
 from onnxtrain.utils.gc import young_objects_only
 
 logger = logging.getLogger("onnxtrain.ortmodule")
 
 # Attributes that live on the ORTModule itself; everything else is looked up on the wrapped module.
-_OWN = ("_cache", "_debug", "_fallback_reason", "_export_count", "_schema_ids", "_backend")
+_OWN = ("_cache", "_debug", "_fallback_reason", "_export_count", "_schema_ids", "_backend", "_verified")
 _warned_autocast: set[tuple] = set()
 
 
@@ -55,6 +57,7 @@ class ORTModule(torch.nn.Module):
         self._schema_ids: dict[tuple, int] = {}
         self._fallback_reason: str | None = None
         self._export_count = 0
+        self._verified: set[int] = set()  # ids of the graphs (inference or training) verify has checked
         backends.resolve(backend, None)  # an unknown or missing backend is an error now, not at the first call
         self._backend = backend
         logger.setLevel(self._debug.log_level.python_level)
@@ -86,6 +89,12 @@ class ORTModule(torch.nn.Module):
         except Exception as exc:  # noqa: BLE001 - any export/build failure falls back (or re-raises)
             self._fall_back(exc)
             return self.module(*args, **kwargs)
+        if self._debug.verify and id(training or graphs) not in self._verified:
+            self._verified.add(id(training or graphs))
+            problem = self._verify(graphs, training, args, kwargs, tensors, state, spec)
+            if problem is not None:
+                self._fall_back(VerificationError(f"verify: {problem}, on the first batch of a new graph"))
+                return self.module(*args, **kwargs)
         if training is None:
             outputs = self._run_inference(graphs, tensors, state)
         else:
@@ -170,6 +179,36 @@ class ORTModule(torch.nn.Module):
         return Saver(self._debug.save_dir, self._debug.onnx_prefix, tag)
 
     # -- running --------------------------------------------------------------------------
+    def _verify(self, graphs: SchemaGraphs, training, args, kwargs, tensors, state, spec) -> str | None:
+        """Run this batch through onnxruntime and through eager from the same RNG state and buffers;
+        the first output or gradient that differs, or None (:mod:`onnxtrain.ortmodule.verify`)."""
+        unchecked = ("it draws random numbers (dropout) that onnxruntime draws differently from PyTorch; verify "
+                     "it with dropout set to 0" if graphs.random else
+                     "it runs under torch.autocast, whose precision differs from eager's by design"
+                     if any(_autocast_state()[k][0] for k in range(2)) else None)
+        if unchecked:
+            warnings.warn(f"ORTModule(verify) cannot check {type(self.module).__name__}'s graph: {unchecked}",
+                          UserWarning, stacklevel=3)
+            return None
+        flags = [t.requires_grad for t in (*tensors, *state)] if training is not None else []
+        names = [*leaf_paths(spec, "input"), *graphs.state_names]
+        wrt = [t for t, flag in zip((*tensors, *state), flags) if flag]
+        wrt_names = [n for n, flag in zip(names, flags) if flag]
+        rng = torch.get_rng_state()
+
+        def run_ort():
+            if training is None:
+                return self._run_inference(graphs, tensors, state)[: graphs.num_outputs]
+            return list(ORTFunction.apply(graphs, training, *tensors, *state)[: graphs.num_outputs])
+
+        def run_eager():
+            torch.set_rng_state(rng)
+            return flatten(self.module(*args, **kwargs), "output")[0]
+
+        with _no_side_effects(self.module):
+            return first_difference(run_ort, run_eager, leaf_paths(graphs.captured.output_spec, "output"),
+                                    wrt, wrt_names)
+
     def _run_inference(self, graphs: SchemaGraphs, tensors, state) -> list[torch.Tensor]:
         session = graphs.inference_session()
         with torch.no_grad():
@@ -188,10 +227,11 @@ class ORTModule(torch.nn.Module):
         if not self._debug.fallback:
             raise exc
         self._fallback_reason = f"{type(exc).__name__}: {exc}"
+        logger.debug("fallback to PyTorch, the full reason: %s", self._fallback_reason)
         warnings.warn(
-            f"ORTModule falls back to PyTorch for {type(self.module).__name__}: {self._fallback_reason}\n"
-            f"The module now runs in PyTorch eager mode. To raise this error instead, set "
-            f"{FALLBACK_ENV}=0 or pass DebugOptions(fallback=False).",
+            f"ORTModule falls back to PyTorch for {type(self.module).__name__}: {summary(self._fallback_reason)}\n"
+            f"It now runs in PyTorch eager mode. The full reason: model.fallback_reason (or "
+            f"ONNXTRAIN_LOG_LEVEL=VERBOSE); to raise instead: {FALLBACK_ENV}=0 or DebugOptions(fallback=False).",
             UserWarning, stacklevel=3,
         )
 
@@ -226,6 +266,7 @@ class ORTModule(torch.nn.Module):
         state = self.__dict__.copy()
         state["_cache"] = {}
         state["_schema_ids"] = {}
+        state["_verified"] = set()
         return state
 
     def __setstate__(self, state):

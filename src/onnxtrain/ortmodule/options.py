@@ -4,6 +4,9 @@ Environment variables (read when an ORTModule is created):
 
 - ``ONNXTRAIN_FALLBACK=0`` turns the fallback to PyTorch off: an export or graph-building error is raised
   instead of warned about. ``DebugOptions(fallback=...)`` overrides it.
+- ``ONNXTRAIN_VERIFY=1`` runs the first batch of every new graph through PyTorch eager too and compares
+  outputs and gradients; on a difference the module falls back to PyTorch, naming the first one.
+  ``DebugOptions(verify=...)`` overrides it.
 - ``ONNXTRAIN_LOG_LEVEL=VERBOSE|INFO|WARNING|ERROR|FATAL`` sets the default log level: onnxtrain's
   messages at that level go to stderr (:mod:`onnxtrain.utils.logs`), and VERBOSE also lets the exporter's
   and onnxruntime's own output through.
@@ -24,6 +27,7 @@ from pathlib import Path
 from onnxtrain.utils.logs import set_level as set_log_level
 
 FALLBACK_ENV = "ONNXTRAIN_FALLBACK"
+VERIFY_ENV = "ONNXTRAIN_VERIFY"
 LOG_LEVEL_ENV = "ONNXTRAIN_LOG_LEVEL"
 BACKWARD_STAGES_ENV = "ONNXTRAIN_BACKWARD_STAGES"
 DEFAULT_BACKWARD_STAGES = 4
@@ -49,16 +53,25 @@ class LogLevel(enum.IntEnum):
         ]
 
 
-def _env_fallback() -> bool:
-    raw = os.environ.get(FALLBACK_ENV)
+def _env_switch(name: str, default: bool, meaning: str) -> bool:
+    raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
-        return True
+        return default
     value = raw.strip().lower()
     if value in _FALSE:
         return False
     if value in _TRUE:
         return True
-    raise ValueError(f"{FALLBACK_ENV}={raw!r}: use 1 (fall back to PyTorch, the default) or 0 (raise)")
+    raise ValueError(f"{name}={raw!r}: {meaning}")
+
+
+def _env_fallback() -> bool:
+    return _env_switch(FALLBACK_ENV, True, "use 1 (fall back to PyTorch, the default) or 0 (raise)")
+
+
+def _env_verify() -> bool:
+    return _env_switch(VERIFY_ENV, False, "use 1 (check the first batch of each graph against eager) or 0 "
+                                          "(the default)")
 
 
 def _env_log_level() -> LogLevel:
@@ -92,7 +105,9 @@ class DebugOptions:
     ``save_onnx=True`` writes, for every input schema, the exported graph and the inference, training
     (forward + gradients), forward and backward graphs to ``save_path`` as
     ``<onnx_prefix>_<schema>_<kind>.onnx``. ``fallback`` (default: ``$ONNXTRAIN_FALLBACK``, else on) runs the
-    module in PyTorch, with a warning, when it cannot be exported or differentiated.
+    module in PyTorch, with a warning, when it cannot be exported or differentiated. ``verify`` (default:
+    ``$ONNXTRAIN_VERIFY``, else off) checks the first batch of every new graph against PyTorch eager
+    (outputs and gradients) and falls back, naming the first difference, where they disagree.
     """
 
     log_level: LogLevel = field(default_factory=_env_log_level)
@@ -100,6 +115,7 @@ class DebugOptions:
     onnx_prefix: str = ""
     save_path: str = ""
     fallback: bool | None = None
+    verify: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.log_level, str):
@@ -110,6 +126,8 @@ class DebugOptions:
             raise ValueError("DebugOptions(save_onnx=True) needs an onnx_prefix naming the saved files")
         if self.fallback is None:
             self.fallback = _env_fallback()
+        if self.verify is None:
+            self.verify = _env_verify()
 
     @property
     def save_dir(self) -> Path:
