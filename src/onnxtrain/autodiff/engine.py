@@ -8,6 +8,7 @@ lacks one), walks them in reverse, calls the rules, un-broadcasts, and sums grad
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,8 +38,18 @@ MAX_IR_VERSION = 10
 class UnsupportedOpError(NotImplementedError):
     """Raised when ops on the path to a ``wrt`` value have no gradient rule; lists every one of them."""
 
-    def __init__(self, missing: Sequence[tuple[str, str, str, str]]):
+    def __init__(self, missing: Sequence[tuple[str, str, str, str]], opset: int | None = None):
         self.missing = list(missing)  # (domain, op_type, node name, wrt it leads to)
+        not_ops = sorted({op for dom, op, _, _ in self.missing if not dom and opset and not _is_onnx_op(op, opset)})
+        if not_ops:  # a misspelt op is a broken model, not a missing rule
+            nodes = [f"{op} (node {name!r})" for dom, op, name, _ in self.missing if not dom and op in not_ops]
+            known = sorted({s.name for s in onnx.defs.get_all_schemas() if not s.domain})
+            close = {op: [k for k in known if sorted(k.lower()) == sorted(op.lower())]  # swapped letters first
+                     or difflib.get_close_matches(op, known, 1) for op in not_ops}
+            hints = [f"{op}: did you mean {close[op][0]}?" for op in not_ops if close[op]]
+            super().__init__(f"{', '.join(nodes)}: not an op of ONNX opset {opset}"
+                             + (f" ({'; '.join(hints)})" if hints else "") + "; fix the model's node")
+            return
         lines = [
             f"  - {op} (domain {dom or 'ai.onnx'}), node {name!r}, on the path to {target!r}"
             for dom, op, name, target in self.missing
@@ -50,6 +61,14 @@ class UnsupportedOpError(NotImplementedError):
             "Register a rule for it (see onnxtrain/autodiff/rules), freeze the parameters behind it, "
             "or rewrite the model so that the op is off the gradient path."
         )
+
+
+def _is_onnx_op(op_type: str, opset: int) -> bool:
+    try:
+        onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return False
+    return True
 
 
 @dataclass
@@ -117,7 +136,7 @@ def _plan(graph: ir.Graph, wrt: Sequence[ir.Value], outputs: Sequence[ir.Value],
         for n in reversed(on_path) if rules[n] is None
     ]
     if missing:
-        raise UnsupportedOpError(missing)
+        raise UnsupportedOpError(missing, opsets.get(""))
     return _Plan(on_path=on_path, rules={n: rules[n] for n in on_path}, needed=needed)
 
 

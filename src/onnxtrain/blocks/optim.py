@@ -10,8 +10,8 @@ few long vectors instead of a dozen nodes per parameter. The vectors are cut int
     inputs   learning_rate (float32 scalar), step (int64 scalar: the step being taken, 1 for the first),
              params.T, gradients.T, then one ``<state>.T`` per optimizer state, each [chunks, chunk]:
              the flat vector, zero-padded to whole chunks
-    outputs  params.T.out, then ``<state>.T.out``: the runtime binds them to the input buffers, so a
-             step updates the parameters and states in place
+    outputs  params.T.out, then ``<state>.T.out``: the new values, which the runtime writes into a second
+             copy of each vector and then swaps the copies (no buffer is both an input and an output)
 
 The layout (parameter names, shapes, order) and the hyperparameters are stored as JSON in the model's
 metadata under ``onnxtrain.optimizer``; the runtime checks it against the module it steps.
@@ -27,10 +27,18 @@ import onnx
 import onnx_ir as ir
 
 from onnxtrain.autodiff.builder import GraphBuilder
+from onnxtrain.ondevice.format import (
+    GRADIENTS,
+    LEARNING_RATE,
+    OPTIMIZER_METADATA_KEY,
+    PARAMS,
+    STEP,
+    flat_name,
+    updated_name,
+)
 from onnxtrain.utils.chunks import chunking
 
 OPSET = 17
-METADATA_KEY = "onnxtrain.optimizer"
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
 
@@ -76,6 +84,8 @@ class AdamW:
         return {"decay": op.Sub(c(1.0), op.Mul(lr, c(self.weight_decay))), "step_size": step_size, "eps": eps}
 
     def update(self, op: GraphBuilder, p, g, states, k: dict[str, ir.Value]):
+        """The new parameter and states (first and second moments) of one parameter ``p`` with gradient ``g``
+        (PyTorch's AdamW)."""
         m, v = states
         b1, b2 = self.betas
         c = lambda x: op.const(x, dtype=p.dtype)
@@ -107,12 +117,15 @@ class SGD:
 
     @property
     def states(self) -> tuple[str, ...]:
+        """The optimizer state per parameter: a momentum buffer when ``momentum`` is set, else none."""
         return ("momentum_buffer",) if self.momentum else ()
 
     def scalars(self, op: GraphBuilder, lr, step, dtype: ir.DataType) -> dict[str, ir.Value]:
+        """Values shared by every parameter's update: the learning rate and whether this is the first step."""
         return {"lr": lr, "first": op.Equal(step, op.const(np.array(1, np.int64)))}
 
     def update(self, op: GraphBuilder, p, g, states, k: dict[str, ir.Value]):
+        """The new parameter and states of one parameter ``p`` with gradient ``g`` (PyTorch's SGD)."""
         c = lambda x: op.const(x, dtype=p.dtype)
         if self.weight_decay:
             g = op.Add(g, op.Mul(p, c(self.weight_decay)))
@@ -169,7 +182,7 @@ def _as_outputs(op: GraphBuilder, values: list[ir.Value], sources: list[ir.Value
     for value, source in zip(values, sources):
         if value.producer() is None:
             value = op.Identity(value)
-        value.name = f"{source.name}.out"
+        value.name = updated_name(source.name)
         value.type, value.shape = source.type, source.shape
         outs.append(value)
     return outs
@@ -197,13 +210,13 @@ def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dty
         raise ValueError("the optimizer needs at least one trainable parameter")
     groups = _group_layout(params)
     op = GraphBuilder(prefix="optimizer", opset=OPSET)
-    lr = ir.Value(name="learning_rate", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]))
-    step = ir.Value(name="step", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+    lr = ir.Value(name=LEARNING_RATE, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]))
+    step = ir.Value(name=STEP, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
     inputs, outputs = [lr, step], []
     flat = {}
     for group in groups:
-        p, g, *states = (_flat_input(f"{n}.{group['dtype']}", group)
-                         for n in ("params", "gradients", *optimizer.states))
+        p, g, *states = (_flat_input(flat_name(n, group["dtype"]), group)
+                         for n in (PARAMS, GRADIENTS, *optimizer.states))
         inputs += [p, g, *states]
         flat[group["dtype"]] = (p, g, states)
     coef = None
@@ -218,8 +231,8 @@ def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dty
     model = ir.Model(graph, ir_version=8, producer_name="onnxtrain")
     meta = {"type": type(optimizer).__name__, "hyperparameters": asdict(optimizer),
             "states": list(optimizer.states), "groups": groups}
-    model.metadata_props[METADATA_KEY] = json.dumps(meta)
+    model.metadata_props[OPTIMIZER_METADATA_KEY] = json.dumps(meta)
     return ir.to_proto(model)
 
 
-__all__ = ["METADATA_KEY", "SGD", "AdamW", "build_optimizer_model"]
+__all__ = ["SGD", "AdamW", "build_optimizer_model"]

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnx_ir.passes.common
 
 from onnxtrain.autodiff.builder import GraphBuilder, is_float
 from onnxtrain.autodiff.engine import (
@@ -32,7 +31,6 @@ from onnxtrain.autodiff.engine import (
     prepare_model,
     values_by_name,
 )
-from onnxtrain.autodiff.stop_gradient import strip_stop_gradients
 from onnxtrain.blocks import optim as optim_blocks
 from onnxtrain.blocks.loss import (
     BCEWithLogitsLoss,
@@ -42,13 +40,11 @@ from onnxtrain.blocks.loss import (
     MSELoss,
 )
 from onnxtrain.ondevice import checkpoint as ckpt
-from onnxtrain.ondevice.api import TRAINING_METADATA_KEY, TRAINING_MODEL_FORMAT
-from onnxtrain.passes.expand_cross_entropy import (
-    ExpandCrossEntropyPass,
-    expand_cross_entropy,
-)
-from onnxtrain.passes.optimize import OptimizePass
-from onnxtrain.passes.sum_rows_by_matmul import SumRowsByMatMulPass
+from onnxtrain.ondevice.format import TRAINING_METADATA_KEY, TRAINING_MODEL_FORMAT
+from onnxtrain.runtime import backends
+from onnxtrain.ondevice.input_ranges import input_ranges
+from onnxtrain.passes import pipeline
+from onnxtrain.utils.atomic import atomic_file_set, refuse_existing
 from onnxtrain.utils.io import load_model, save_model_atomic
 
 
@@ -142,7 +138,8 @@ def select_parameters(graph: ir.Graph, requires_grad, frozen_params) -> tuple[li
     unknown = [n for n in trainable + frozen if n not in inits]
     if unknown:
         hint = ", ".join(floats[:8]) + (", ..." if len(floats) > 8 else "")
-        raise KeyError(f"{unknown} are not initializers of the model; its float initializers are: {hint or 'none'}")
+        raise KeyError(f"{', '.join(unknown)}: not initializers of the model; its float initializers are: "
+                       f"{hint or 'none'}")
     non_float = [n for n in trainable if not is_float(inits[n])]
     if non_float:
         raise TypeError(f"{non_float} are not floating-point initializers and cannot require gradients "
@@ -244,11 +241,11 @@ def build_eval_model(proto: onnx.ModelProto, requires_grad, frozen_params, loss,
     """The eval model (forward + loss) and a description: parameters, user inputs, outputs."""
     model = ir.from_proto(proto)
     graph = model.graph
-    onnx_ir.passes.common.TopologicalSortPass()(model)
     trainable, frozen = select_parameters(graph, requires_grad, frozen_params)
     n_user = len(graph.inputs)
     params = _lift_to_inputs(graph, trainable + frozen)
-    OptimizePass()(model)  # parameters are inputs now: only true constants (shape arithmetic) fold
+    model = pipeline.artifacts_forward()(model)
+    graph = model.graph
     sources = _loss_sources(graph, loss_input_names)
     taken = set(values_by_name(graph))
     loss_value = _append_loss(graph, loss, sources, taken)  # its inputs go after the model's
@@ -258,9 +255,11 @@ def build_eval_model(proto: onnx.ModelProto, requires_grad, frozen_params, loss,
     graph.inputs.extend(rest + lifted)  # model inputs, loss inputs, then the parameters
     user_inputs = [v.name for v in rest]
     _set_outputs(graph, loss_value, sources[0].dtype, _as_list(additional_output_names, "additional_output_names"), taken)
-    onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
+    model = pipeline.artifacts_eval()(model)
+    graph = model.graph
     info = {"user_inputs": user_inputs, "outputs": [v.name for v in graph.outputs],
-            "trainable": trainable, "frozen": frozen}
+            "trainable": trainable, "frozen": frozen,
+            "input_checks": input_ranges(graph, loss, sources, user_inputs)}
     graph.metadata_props.clear()
     model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**info, "kind": "eval"})
     proto = _infer_shapes(ir_version_for_onnxruntime(ir.to_proto(model)))
@@ -286,12 +285,25 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict) -> onnx.ModelP
     wrt = [by_name[n] for n in info["trainable"]]
     loss_value = graph.outputs[0]
     grads = add_gradient_outputs(model, wrt, [loss_value], names=info["trainable"])
-    ExpandCrossEntropyPass()(model)
-    SumRowsByMatMulPass()(model)
-    meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen")}
+    model = pipeline.artifacts_training()(model)
+    meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen", "input_checks")}
     model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training", "format": TRAINING_MODEL_FORMAT,
                                                               "gradients": [g.name for g in grads]})
     return ir_version_for_onnxruntime(ir.to_proto(model))
+
+
+def _artifact_precision(precision: str) -> str:
+    if str(precision).lower() in ("fp16", "float16"):
+        raise ValueError("precision='fp16' artifacts need dynamic loss scaling, which onnxtrain does not build "
+                         "yet; use 'bf16' (same range as float32, no scaling needed) or 'fp32'")
+    return backends.normalize_precision(precision)
+
+
+def _set_precision(proto: onnx.ModelProto, precision: str) -> None:
+    """Record ``precision`` in the model's onnxtrain metadata (read by the runtime's Module)."""
+    for entry in proto.metadata_props:
+        if entry.key == TRAINING_METADATA_KEY:
+            entry.value = json.dumps({**json.loads(entry.value), "precision": precision})
 
 
 # -------------------------------------------------------------------------------------------------
@@ -303,7 +315,8 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
                        frozen_params: Sequence[str] | None = None, loss=None, optimizer=None,
                        artifact_directory: str | os.PathLike | None = None, prefix: str = "",
                        additional_output_names: Sequence[str] | None = None, nominal_checkpoint: bool = False,
-                       loss_input_names: Sequence[str] | None = None) -> Artifacts:
+                       loss_input_names: Sequence[str] | None = None, overwrite: bool = False,
+                       precision: str = "fp32") -> Artifacts:
     """Write the training, eval and optimizer models and the checkpoint for on-device training.
 
     ``requires_grad`` names the initializers to train; ``frozen_params`` the ones to keep in the
@@ -312,33 +325,54 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     ``loss_input_names[0]``) already is the scalar loss. ``optimizer`` is an :class:`OptimType`, "adamw"
     or "sgd", an ``AdamW(...)``/``SGD(...)`` instance for other hyperparameters, or None for no
     optimizer model. ``loss_input_names`` picks the model outputs the loss reads (default: the first).
+
+    A folder that already holds artifacts with this ``prefix`` is refused unless ``overwrite=True``; the
+    new set then replaces the old one as a whole (:func:`onnxtrain.utils.atomic.atomic_file_set`), stale
+    files of the old set (an optimizer model the new set lacks) included.
+
+    ``precision="bf16"`` marks the training and eval models to run in bfloat16: the graphs stay float32 (so
+    they run on any ONNX runtime), and the runtime's ``Module`` runs them on OpenVINO with its bfloat16
+    hint where it can, else warns once and runs float32 (docs/precision.md). "fp16" needs dynamic loss
+    scaling, which is not built yet.
     """
+    precision = _artifact_precision(precision)
     loss_block = resolve_loss(loss)
     optimizer_block = resolve_optimizer(optimizer)
+    out_dir = Path(artifact_directory if artifact_directory is not None else os.getcwd())
+    names = [f"{prefix}{n}" for n in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")]
+    if not overwrite:  # before the work, not after it
+        refuse_existing(out_dir, names, "artifacts", _OVERWRITE_HINT)
     proto = prepare_model(load_model(model))
     eval_proto, info = build_eval_model(proto, requires_grad, frozen_params, loss_block,
                                         additional_output_names, loss_input_names)
-    training_proto = strip_stop_gradients(build_training_model(eval_proto, info))
-    eval_proto = strip_stop_gradients(expand_cross_entropy(eval_proto))  # runnable on any ONNX runtime
+    training_proto = build_training_model(eval_proto, info)
+    eval_proto = ir.to_proto(pipeline.artifacts_eval_export()(ir.from_proto(eval_proto)))
+    if precision != "fp32":
+        for model_proto in (training_proto, eval_proto):
+            _set_precision(model_proto, precision)
 
-    out_dir = Path(artifact_directory if artifact_directory is not None else os.getcwd())
-    paths = Artifacts(out_dir / f"{prefix}training_model.onnx", out_dir / f"{prefix}eval_model.onnx",
-                      out_dir / f"{prefix}optimizer_model.onnx" if optimizer_block else None,
-                      out_dir / f"{prefix}checkpoint")
-    save_model_atomic(training_proto, paths.training_model)
-    save_model_atomic(eval_proto, paths.eval_model)
     values = info["values"]
+    opt_proto = None
     if optimizer_block is not None:
         layout = [(n, values[n].dtype, values[n].shape) for n in info["trainable"]]
         opt_proto = optim_blocks.build_optimizer_model(optimizer_block, layout)
-        save_model_atomic(opt_proto, paths.optimizer_model)
     data = ckpt.CheckpointData(
         parameters={n: values[n] for n in info["trainable"] + info["frozen"]},
         requires_grad={n: n in info["trainable"] for n in info["trainable"] + info["frozen"]},
         nominal=nominal_checkpoint,
     )
-    ckpt.save(data, paths.checkpoint)
-    return paths
+    # One generation: written into a staging folder, then swapped in with the checkpoint last.
+    with atomic_file_set(out_dir, names, overwrite=overwrite, what="artifacts", hint=_OVERWRITE_HINT) as staging:
+        save_model_atomic(training_proto, staging / names[0])
+        save_model_atomic(eval_proto, staging / names[1])
+        if opt_proto is not None:
+            save_model_atomic(opt_proto, staging / names[2])
+        ckpt.save(data, staging / names[3])
+    return Artifacts(out_dir / names[0], out_dir / names[1], out_dir / names[2] if opt_proto is not None else None,
+                     out_dir / names[3])
+
+
+_OVERWRITE_HINT = "pass overwrite=True (onnxtrain artifacts --force)"
 
 
 __all__ = ["Artifacts", "LossType", "OptimType", "generate_artifacts"]

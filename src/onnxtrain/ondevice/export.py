@@ -9,8 +9,14 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
+
+try:
+    import onnx
+    from onnx import numpy_helper
+except ModuleNotFoundError as exc:  # the training path runs without onnx; this one edits a model file
+    raise ModuleNotFoundError(
+        "Module.export_model_for_inferencing needs the onnx package, which is not installed: "
+        "pip install onnx (training itself needs only onnxruntime and numpy)", name="onnx") from exc
 
 from onnxtrain.utils.io import load_model, save_model_atomic
 
@@ -44,6 +50,8 @@ def _value_infos(graph: onnx.GraphProto) -> dict[str, onnx.ValueInfoProto]:
 
 def export_inference_model(eval_model_uri, parameters: dict[str, np.ndarray], graph_output_names,
                            path: str | os.PathLike) -> None:
+    """Write the eval model's subgraph that computes ``graph_output_names`` to ``path``, the parameters
+    baked in as initializers (what ``Module.export_model_for_inferencing`` does)."""
     if isinstance(graph_output_names, str):
         graph_output_names = [graph_output_names]
     outputs = list(graph_output_names)

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import onnx
 import onnx_ir as ir
-import onnx_ir.passes.common
 import torch
 
 from onnxtrain.autodiff.builder import is_float
@@ -27,18 +26,9 @@ from onnxtrain.autodiff.engine import (
 from onnxtrain.autodiff.stop_gradient import is_stop_gradient, strip_stop_gradients
 from onnxtrain.capture import Captured
 from onnxtrain.ortmodule.options import MIN_STAGE_BYTES, backward_stages
-from onnxtrain.passes import (
-    ExpandCrossEntropyPass,
-    InitializersToInputsPass,
-    OptimizePass,
-    Split,
-    infer_symbolic_shapes,
-    split_forward_backward,
-)
+from onnxtrain.passes import Split, pipeline, split_forward_backward
 from onnxtrain.passes.defer_row_scatters import RowScatters, defer_row_scatters
-from onnxtrain.passes.expand_cross_entropy import expand_cross_entropy
 from onnxtrain.passes.stage_graph import CannotStage, one_stage, stage_graph
-from onnxtrain.passes.sum_rows_by_matmul import sum_rows_by_matmul
 from onnxtrain.passes.zero_inputs import CannotPrune, prune_zero_inputs
 from onnxtrain.runtime.session import TorchSession, session_options
 from onnxtrain.runtime.staged import StagedSession
@@ -102,8 +92,7 @@ class Training:
                 logger.info("output gradients %s are fed as zeros: %s", absent, exc)
                 return None
             logger.info("built a backward graph without the output gradients %s", absent)
-        proto = strip_stop_gradients(proto)
-        proto = sum_rows_by_matmul(proto)  # after pruning, which cannot see through the Shape it reads
+        proto = ir.to_proto(pipeline.ortmodule_backward()(ir.from_proto(proto)))
         try:
             staged = stage_graph(proto, input_bytes, self.backward_stages, MIN_STAGE_BYTES)
         except CannotStage as exc:
@@ -128,6 +117,9 @@ class SchemaGraphs:
     shared_weights: set[str] = field(default_factory=set)  # those of both that other modules use too
     log_severity: int = 3
     saver: Saver | None = None
+    # Which engine runs the sessions, in which precision (onnxtrain.runtime.backends.resolve).
+    backend: str = "onnxruntime"
+    precision: str = "fp32"
     inference: TorchSession | None = None
     training: dict[tuple[bool, ...], Training] = field(default_factory=dict)
 
@@ -148,20 +140,18 @@ class SchemaGraphs:
 
     def inference_session(self) -> TorchSession:
         if self.inference is None:
-            self.inference = self._session(expand_cross_entropy(self.base))
+            self.inference = self._session(ir.to_proto(pipeline.ortmodule_inference()(ir.from_proto(self.base))))
         return self.inference
 
     def _session(self, proto: onnx.ModelProto) -> TorchSession:
         proto = strip_stop_gradients(proto)
-        return TorchSession(proto, self.device, session_options(log_severity=self.log_severity))
+        return TorchSession(proto, self.device, session_options(log_severity=self.log_severity), self.backend,
+                            self.precision)
 
 
 def prepare(captured: Captured, state_names: list[str], device: torch.device, log_severity: int) -> SchemaGraphs:
-    model = captured.model
-    InitializersToInputsPass(state_names)(model)
-    OptimizePass()(model)
-    onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
-    proto = ir_version_for_onnxruntime(infer_symbolic_shapes(ir.to_proto(model)))
+    model = pipeline.ortmodule_prepare(state_names)(captured.model)
+    proto = ir_version_for_onnxruntime(ir.to_proto(model))
     random = any(n.op_type in RANDOM_OPS for n in proto.graph.node)
     num_inputs = len(proto.graph.input) - len(state_names)
     return SchemaGraphs(captured, state_names, num_inputs, proto, random, device, log_severity)
@@ -189,7 +179,7 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     if wrt:
         bases = [_free_grad_base(inputs[i].name, taken) for i in wrt]
         add_gradient_outputs(model, [inputs[i] for i in wrt], targets, seeds, names=bases)
-    ExpandCrossEntropyPass()(model)  # after the gradient: its SoftmaxCrossEntropyLoss rule is the cheaper one
+    model = pipeline.ortmodule_training()(model)
     if save is not None:
         save(model, "training")
     split = split_forward_backward(model, num_forward_outputs, len(seeds))

@@ -20,6 +20,7 @@ import tempfile
 import threading
 
 import onnx
+import onnx_ir as ir
 
 from onnxtrain.autodiff.stop_gradient import shapes_as_identity
 
@@ -27,6 +28,16 @@ logger = logging.getLogger("onnxtrain.passes")
 
 
 _CWD_LOCK = threading.Lock()
+
+
+class SymbolicShapesPass(ir.passes.FunctionalPass):
+    """:func:`infer_symbolic_shapes` as a pass: the tool reads and writes protos, so the model comes back
+    as a new one (with the same graph when the inference failed or was dropped)."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        proto = ir.to_proto(model)
+        inferred = infer_symbolic_shapes(proto)
+        return ir.passes.PassResult(ir.from_proto(inferred), modified=inferred is not proto)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import onnx
 
-from onnxtrain.utils.atomic import atomic_path, write_bytes_atomic  # noqa: F401  (re-exported)
+from onnxtrain.utils.atomic import atomic_path, error_naming, mode_for, write_bytes_atomic  # noqa: F401  (re-exported)
 
 # Protobuf cannot serialize a message of 2 GiB or more; larger models go to external data.
 _PROTO_LIMIT = 2**31 - 1
@@ -25,13 +25,19 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> None:
         write_bytes_atomic(model.SerializeToString(), path)
         return
     data_name = path.name + ".data"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    except OSError as exc:
+        raise error_naming(exc, path) from exc
     try:
         onnx.save_model(model, str(staging / path.name), save_as_external_data=True,
                         all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
-        os.replace(staging / data_name, path.with_name(data_name))
-        os.replace(staging / path.name, path)
+        for name in (data_name, path.name):  # data first: the model never points at a missing file
+            os.chmod(staging / name, mode_for(path.with_name(name)))
+            os.replace(staging / name, path.with_name(name))
+    except OSError as exc:
+        raise error_naming(exc, path) from exc
     finally:
         for p in staging.iterdir():
             p.unlink()

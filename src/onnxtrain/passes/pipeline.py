@@ -1,0 +1,178 @@
+"""The order in which passes build the training graphs, said once per front end.
+
+Each function below returns a :class:`Pipeline`: the passes one stage of graph building runs, in
+order, over one ``onnx_ir`` model (the model stays in the IR from the first pass to the last). Each step
+says why it sits where it does; the callers (``ortmodule/graphs.py``, ``ondevice/artifacts.py``) build
+graphs around these stages (capture, autodiff, the forward/backward split, the loss and optimizer blocks)
+and convert to protos only at session and file boundaries.
+
+ORTModule (``onnxtrain.ortmodule.graphs``)::
+
+    captured model -> ortmodule_prepare -> base graph --autodiff--> ortmodule_training
+        --split_forward_backward--> forward graph, backward graph --per pattern of present output
+        gradients: prune_zero_inputs--> ortmodule_backward --stage_graph--> sessions
+
+On-device artifacts (``onnxtrain.ondevice.artifacts``)::
+
+    model, parameters lifted to inputs -> artifacts_forward --+ loss, outputs--> artifacts_eval -> eval graph
+    eval graph --autodiff--> artifacts_training -> training_model.onnx
+    eval graph -> artifacts_eval_export -> eval_model.onnx
+
+To add a pass: write it as an ``ir.passes.InPlacePass`` (or ``FunctionalPass``) in its own file with its
+test, then add one ``Step`` to the pipeline it belongs to, at the place its requirements hold, with a
+line saying why it is there. A pass with knobs takes them in its constructor; the pipeline function
+takes them as arguments and its caller passes them from the user's options.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import onnx_ir as ir
+import onnx_ir.passes.common
+
+from onnxtrain.passes.expand_cross_entropy import ExpandCrossEntropyPass
+from onnxtrain.passes.initializers_to_inputs import InitializersToInputsPass
+from onnxtrain.passes.optimize import OptimizePass
+from onnxtrain.passes.strip_stop_gradients import StripStopGradientsPass
+from onnxtrain.passes.sum_rows_by_matmul import SumRowsByMatMulPass
+from onnxtrain.passes.symbolic_shapes import SymbolicShapesPass
+
+logger = logging.getLogger("onnxtrain.passes")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One pass of a pipeline and why it runs where it does."""
+
+    name: str
+    run: ir.passes.PassBase
+    why: str
+
+
+class Pipeline:
+    """Named passes run in order over one model; :meth:`__call__` returns the resulting model (the same
+    object unless a step is a functional pass)."""
+
+    def __init__(self, name: str, steps: Sequence[Step]):
+        names = [s.name for s in steps]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"pipeline {name!r}: step names repeat: {dupes}")
+        self.name, self.steps = name, list(steps)
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.steps]
+
+    def __call__(self, model: ir.Model) -> ir.Model:
+        for step in self.steps:
+            start = time.perf_counter()
+            result = step.run(model)
+            model = result.model
+            logger.debug("%s/%s: %s in %.3f s", self.name, step.name,
+                         "modified" if result.modified else "unchanged", time.perf_counter() - start)
+        return model
+
+    def __repr__(self) -> str:
+        return f"Pipeline({self.name!r}, {self.names})"
+
+
+# -------------------------------------------------------------------------------------------------
+# ORTModule
+# -------------------------------------------------------------------------------------------------
+
+
+def ortmodule_prepare(state_names: Sequence[str]) -> Pipeline:
+    """The exported graph -> the base graph every training and inference graph is built from."""
+    return Pipeline("ortmodule_prepare", [
+        Step("initializers_to_inputs", InitializersToInputsPass(state_names),
+             "first: parameters and buffers become inputs before anything may fold a weight into a constant"),
+        Step("optimize", OptimizePass(),
+             "folds the shape arithmetic that gradient rules need as constants; weights are inputs by now"),
+        Step("remove_unused_nodes", onnx_ir.passes.common.RemoveUnusedNodesPass(),
+             "drops what folding left unused"),
+        Step("symbolic_shapes", SymbolicShapesPass(),
+             "last: names the dims of the final graph, so that autodiff un-broadcasts at build time"),
+    ])
+
+
+def ortmodule_training() -> Pipeline:
+    """The joint graph (forward + gradients, just differentiated) before the forward/backward split."""
+    return Pipeline("ortmodule_training", [
+        Step("expand_cross_entropy", ExpandCrossEntropyPass(),
+             "after autodiff: the SoftmaxCrossEntropyLoss rule builds the cheaper backward"),
+    ])
+
+
+def ortmodule_backward() -> Pipeline:
+    """Each backward graph, after the absent output gradients are pruned and before it is cut in stages."""
+    return Pipeline("ortmodule_backward", [
+        Step("strip_stop_gradients", StripStopGradientsPass(), "bound for a session: onnxruntime knows no StopGradient"),
+        Step("sum_rows_by_matmul", SumRowsByMatMulPass(),
+             "after pruning, which cannot see through the Shape this pass reads"),
+    ])
+
+
+def ortmodule_inference() -> Pipeline:
+    """The base graph run without gradients."""
+    return Pipeline("ortmodule_inference", [
+        Step("expand_cross_entropy", ExpandCrossEntropyPass(), "no gradient rule to prefer the fused op for"),
+    ])
+
+
+# -------------------------------------------------------------------------------------------------
+# On-device artifacts
+# -------------------------------------------------------------------------------------------------
+
+
+def artifacts_forward() -> Pipeline:
+    """The user's model with its checkpoint parameters lifted to inputs, before the loss is added."""
+    return Pipeline("artifacts_forward", [
+        Step("topological_sort", onnx_ir.passes.common.TopologicalSortPass(),
+             "first: a model from any source may list its nodes out of order; every later pass walks them in order"),
+        Step("optimize", OptimizePass(), "parameters are inputs now: only true constants (shape arithmetic) fold"),
+    ])
+
+
+def artifacts_eval() -> Pipeline:
+    """The model with its loss and outputs set: the eval graph that the training graph is built from."""
+    return Pipeline("artifacts_eval", [
+        Step("remove_unused_nodes", onnx_ir.passes.common.RemoveUnusedNodesPass(),
+             "after the outputs are set: drops what neither the loss nor an output reads"),
+    ])
+
+
+def artifacts_training() -> Pipeline:
+    """The eval graph with the gradients added: training_model.onnx."""
+    return Pipeline("artifacts_training", [
+        Step("expand_cross_entropy", ExpandCrossEntropyPass(),
+             "after autodiff: the SoftmaxCrossEntropyLoss rule builds the cheaper backward"),
+        Step("sum_rows_by_matmul", SumRowsByMatMulPass(), "after autodiff: rewrites the gradients' leading-axis sums"),
+        Step("strip_stop_gradients", StripStopGradientsPass(), "last: the file runs on any ONNX runtime"),
+    ])
+
+
+def artifacts_eval_export() -> Pipeline:
+    """The eval graph as written to eval_model.onnx."""
+    return Pipeline("artifacts_eval_export", [
+        Step("expand_cross_entropy", ExpandCrossEntropyPass(), "no gradient rule to prefer the fused op for"),
+        Step("strip_stop_gradients", StripStopGradientsPass(), "last: the file runs on any ONNX runtime"),
+    ])
+
+
+__all__ = [
+    "Pipeline",
+    "Step",
+    "artifacts_eval",
+    "artifacts_eval_export",
+    "artifacts_forward",
+    "artifacts_training",
+    "ortmodule_backward",
+    "ortmodule_inference",
+    "ortmodule_prepare",
+    "ortmodule_training",
+]
