@@ -37,7 +37,7 @@ def main() -> None:
         OUT.mkdir(exist_ok=True)
         artifacts.generate_artifacts(path, requires_grad=[n for n, _ in model.named_parameters()],
                                      loss="crossentropy", optimizer=artifacts.AdamW(lr=2e-2),
-                                     additional_output_names=["logits"], artifact_directory=OUT)
+                                     additional_output_names=["logits"], artifact_directory=OUT, overwrite=True)
     print(f"wrote {sorted(p.name for p in OUT.iterdir())}")
 
 

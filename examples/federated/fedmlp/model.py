@@ -39,4 +39,5 @@ def build_artifacts(directory, lr: float = 3e-3) -> artifacts.Artifacts:
     model = mlp()
     return artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer],
                                         loss="crossentropy", optimizer=artifacts.AdamW(lr=lr, weight_decay=0.0),
-                                        additional_output_names=["logits"], artifact_directory=directory)
+                                        additional_output_names=["logits"], artifact_directory=directory,
+                                        overwrite=True)

@@ -120,10 +120,12 @@ class Module:
 
     # -- modes --------------------------------------------------------------------------------
     def train(self, mode: bool = True) -> Module:
+        """Train mode (``mode=True``, calls run forward and backward) or eval mode; returns the module."""
         self.training = mode
         return self
 
     def eval(self) -> Module:
+        """Eval mode: calls run the eval model (no gradients); returns the module."""
         return self.train(False)
 
     # -- steps --------------------------------------------------------------------------------
@@ -153,10 +155,12 @@ class Module:
 
     # -- introspection ------------------------------------------------------------------------
     def input_names(self) -> list[str]:
+        """The names of the inputs a call takes in the current mode (model inputs, then loss inputs)."""
         runner = self._train if self.training or self._eval is None else self._eval
         return list(runner.user_inputs)
 
     def output_names(self) -> list[str]:
+        """The names of the outputs a call returns in the current mode (the loss first)."""
         runner = self._train if self.training or self._eval is None else self._eval
         return list(runner.outputs)
 
@@ -165,6 +169,7 @@ class Module:
         return [n for n in self._state.names() if not trainable_only or self._state.requires_grad(n)]
 
     def get_parameters_size(self, trainable_only: bool = True) -> int:
+        """The number of parameter elements (trainable ones only, by default)."""
         return int(sum(self._state.array(n).size for n in self._param_names(trainable_only)))
 
     def get_contiguous_parameters(self, trainable_only: bool = False) -> ort.OrtValue:

@@ -50,17 +50,30 @@ class OpenVINOSession:
             self._model = core().read_model(model)
         except Exception as exc:
             raise ValueError(f"OpenVINO cannot read the model: {exc}") from exc
-        config = {"INFERENCE_PRECISION_HINT": _HINTS[precision], "PERFORMANCE_HINT": "LATENCY",
-                  "NUM_STREAMS": 1}
+        self._config = {"INFERENCE_PRECISION_HINT": _HINTS[precision], "PERFORMANCE_HINT": "LATENCY",
+                        "NUM_STREAMS": 1}
         if threads:
-            config["INFERENCE_NUM_THREADS"] = int(threads)
-        try:
-            self._compiled = core().compile_model(self._model, "CPU", config)
-        except Exception as exc:
-            raise ValueError(f"OpenVINO cannot compile the model for the CPU: {exc}") from exc
+            self._config["INFERENCE_NUM_THREADS"] = int(threads)
         self.precision = precision
-        self._inputs = [_port(p) for p in self._compiled.inputs]
-        self._outputs = [_port(p) for p in self._compiled.outputs]
+        self._inputs = [_port(p) for p in self._model.inputs]
+        self._outputs = [_port(p) for p in self._model.outputs]
+        self._compiled = None
+        if all(not p.get_partial_shape().rank.is_dynamic for p in self._model.inputs):
+            self._compile()
+        # else: OpenVINO's CPU plugin needs every input's rank; compiled on the first run, from its inputs
+
+    def _compile(self, arrays: dict[str, np.ndarray] | None = None):
+        if self._compiled is None:
+            if arrays is not None:
+                import openvino as ov
+
+                self._model.reshape({p.get_any_name(): ov.PartialShape.dynamic(arrays[p.get_any_name()].ndim)
+                                     for p in self._model.inputs if p.get_partial_shape().rank.is_dynamic})
+            try:
+                self._compiled = core().compile_model(self._model, "CPU", self._config)
+            except Exception as exc:
+                raise ValueError(f"OpenVINO cannot compile the model for the CPU: {exc}") from exc
+        return self._compiled
 
     def get_inputs(self) -> list:
         return list(self._inputs)
@@ -76,7 +89,7 @@ class OpenVINOSession:
         return SimpleNamespace(custom_metadata_map=meta)
 
     def io_binding(self) -> OpenVINOBinding:
-        return OpenVINOBinding(self._compiled.create_infer_request())
+        return OpenVINOBinding(self)
 
     def run_with_iobinding(self, binding: OpenVINOBinding) -> None:
         binding._run()
@@ -95,8 +108,10 @@ class OpenVINOSession:
 class OpenVINOBinding:
     """Inputs and outputs of one OpenVINO infer request, bound as onnxruntime's IOBinding binds them."""
 
-    def __init__(self, request):
-        self._request = request
+    def __init__(self, session: OpenVINOSession):
+        self._session = session
+        self._request = None  # made on the first run (the model may be compiled then)
+        self._tensors: dict[str, object] = {}  # name -> ov.Tensor sharing the bound memory
         self._keep: dict[str, object] = {}  # what the bound ov.Tensors read or write: kept alive
         self._outputs: dict[str, object] = {}  # name -> the bound OrtValue, or None: copied after a run
         self._results: dict[str, _Output] = {}
@@ -123,13 +138,18 @@ class OpenVINOBinding:
         import openvino as ov
 
         self._keep[name] = (array, owner)
-        try:
-            self._request.set_tensor(name, ov.Tensor(array, shared_memory=True))
-        except Exception as exc:
-            raise ValueError(f"OpenVINO cannot bind {name!r} (shape {list(array.shape)}, {array.dtype}): "
-                             f"{exc}") from exc
+        self._tensors[name] = ov.Tensor(array, shared_memory=True)
 
     def _run(self) -> None:
+        if self._request is None:
+            arrays = {name: kept[0] for name, kept in self._keep.items()}
+            self._request = self._session._compile(arrays).create_infer_request()
+        for name, tensor in self._tensors.items():
+            try:
+                self._request.set_tensor(name, tensor)
+            except Exception as exc:
+                raise ValueError(f"OpenVINO cannot bind {name!r} (shape {list(tensor.shape)}, "
+                                 f"{tensor.element_type}): {exc}") from exc
         self._request.infer()
         self._results = {name: _Output(np.array(self._request.get_tensor(name).data, copy=True))
                          for name, value in self._outputs.items() if value is None}
