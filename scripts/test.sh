@@ -42,3 +42,6 @@ fi
 NEWEST_TESTS=(tests/ortmodule/test_parity.py tests/ortmodule/test_trust.py tests/ortmodule/test_moe.py)
 if [ -d tests/opinfo ]; then NEWEST_TESTS+=(tests/opinfo); fi
 PYTHONPATH="$PWD/src" "$NEWEST_VENV/bin/python" -m pytest -p no:cacheprovider "${NEWEST_TESTS[@]}"
+
+echo "== tier: slow (the examples run end to end: demo progress, exported files kept)"
+python -m pytest -m "slow and not flower"

@@ -24,6 +24,7 @@ import torch
 from onnxtrain.capture.flatten import Constant, Spec, flatten, unflatten
 from onnxtrain.capture.moe import moe_translations
 from onnxtrain.capture.promotion import needs_type_promotion
+from onnxtrain.capture.quiet import quiet_exporter, summary
 from onnxtrain.capture.registry import lazy_registry, registry_key
 from onnxtrain.capture.stop_gradient import mark_stop_gradients
 from onnxtrain.capture.translations import TRANSLATIONS
@@ -112,8 +113,10 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, verbose: bool
             + "\nSimplify the forward (data-dependent control flow, unsupported ops), or run it in PyTorch."
         )
     if len(errors) == 1:
+        logger.debug("export: %s", errors[0])
         warnings.warn(f"the dynamo exporter failed, the TorchScript exporter was used instead (gradients then "
-                      f"flow through detach() and torch.no_grad() blocks): {errors[0]}", UserWarning, stacklevel=3)
+                      f"flow through detach() and torch.no_grad() blocks): {summary(errors[0])}", UserWarning,
+                      stacklevel=3)
     if "output_spec" not in record:
         raise ExportError("the exporter never ran the module's forward; cannot tell its output structure"
                           + "".join(f"\n  {e[:2000]}" for e in errors))
@@ -155,7 +158,7 @@ def _export_dynamo(wrapper: FlatModule, flat: list[torch.Tensor], verbose: bool)
 def _export_dynamo_with(wrapper: FlatModule, flat: list[torch.Tensor], verbose: bool, dynamic_ones: bool) -> ir.Model:
     auto = torch.export.Dim.AUTO
     shapes = tuple({axis: auto for axis in dynamic_axes(t) if dynamic_ones or t.shape[axis] != 1} for t in flat)
-    with _quiet(verbose), _exporter_shortcuts(keep_stack_traces=verbose) as hooked:
+    with quiet_exporter(verbose), _exporter_shortcuts(keep_stack_traces=verbose) as hooked:
         program = torch.onnx.export(
             wrapper, tuple(flat), dynamo=True, dynamic_shapes=(shapes,), optimize=False,
             custom_translation_table={**TRANSLATIONS, **moe_translations()}, opset_version=OPSET, verbose=verbose,
@@ -171,7 +174,7 @@ def _export_torchscript(wrapper: FlatModule, flat: list[torch.Tensor], verbose: 
     axes = {name: {a: f"{name}_dim{a}" for a in dynamic_axes(t)} for name, t in zip(names, flat)}
     mode = torch.onnx.TrainingMode.TRAINING if wrapper.training else torch.onnx.TrainingMode.EVAL
     buffer = io.BytesIO()
-    with _quiet(verbose), warnings.catch_warnings(record=True) as caught:
+    with quiet_exporter(verbose), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", torch.jit.TracerWarning)  # also those torch's own filters hide
         torch.onnx.export(
             wrapper, tuple(flat), buffer, dynamo=False, input_names=names, dynamic_axes=axes,
@@ -312,24 +315,6 @@ def _needs_decomposition(program: torch.export.ExportedProgram, registry) -> boo
             elif not translated and getattr(target, "__module__", None) not in ("_operator", "operator"):
                 return True
     return False
-
-
-@contextlib.contextmanager
-def _quiet(verbose: bool):
-    if verbose:
-        yield
-        return
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
 
 
 def _finish(model: ir.Model, wrapper: FlatModule, output_spec: Spec, flat: list[torch.Tensor],

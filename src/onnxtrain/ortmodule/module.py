@@ -26,6 +26,7 @@ from collections import OrderedDict
 import torch
 
 from onnxtrain.capture import capture, flatten, leaf_paths, unflatten
+from onnxtrain.capture.quiet import summary
 from onnxtrain.ortmodule.function import ORTFunction, reseed
 from onnxtrain.ortmodule.graphs import Saver, SchemaGraphs, build_training, prepare
 from onnxtrain.ortmodule.options import FALLBACK_ENV, DebugOptions
@@ -226,10 +227,11 @@ class ORTModule(torch.nn.Module):
         if not self._debug.fallback:
             raise exc
         self._fallback_reason = f"{type(exc).__name__}: {exc}"
+        logger.debug("fallback to PyTorch, the full reason: %s", self._fallback_reason)
         warnings.warn(
-            f"ORTModule falls back to PyTorch for {type(self.module).__name__}: {self._fallback_reason}\n"
-            f"The module now runs in PyTorch eager mode. To raise this error instead, set "
-            f"{FALLBACK_ENV}=0 or pass DebugOptions(fallback=False).",
+            f"ORTModule falls back to PyTorch for {type(self.module).__name__}: {summary(self._fallback_reason)}\n"
+            f"It now runs in PyTorch eager mode. The full reason: model.fallback_reason (or "
+            f"ONNXTRAIN_LOG_LEVEL=VERBOSE); to raise instead: {FALLBACK_ENV}=0 or DebugOptions(fallback=False).",
             UserWarning, stacklevel=3,
         )
 
