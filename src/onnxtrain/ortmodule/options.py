@@ -9,6 +9,9 @@ Environment variables (read when an ORTModule is created):
   graph as up to N onnxruntime sessions in turn, so that the forward's stashed activations are freed as
   backward goes instead of when it ends. 1 runs it whole. A stage is cut only where it frees at least
   ``MIN_STAGE_BYTES`` of stash, so small models run whole anyway.
+- ``ORTMODULE_MEMORY_OPT_LEVEL`` and ``ORTMODULE_MEMORY_OPT_CONFIG`` (ONNX Runtime Training's; read when
+  training graphs are built) pick what backward recomputes instead of keeping from forward, where
+  ``DebugOptions(recompute=...)`` does not: see :mod:`onnxtrain.passes.recompute`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from onnxtrain.passes.recompute import Recompute
+from onnxtrain.passes.recompute import from_env as recompute_from_env
 
 FALLBACK_ENV = "ONNXTRAIN_FALLBACK"
 LOG_LEVEL_ENV = "ONNXTRAIN_LOG_LEVEL"
@@ -88,6 +94,12 @@ class DebugOptions:
     (forward + gradients), forward and backward graphs to ``save_path`` as
     ``<onnx_prefix>_<schema>_<kind>.onnx``. ``fallback`` (default: ``$ONNXTRAIN_FALLBACK``, else on) runs the
     module in PyTorch, with a warning, when it cannot be exported or differentiated.
+
+    ``recompute``: how much of the forward values backward reads is kept in memory and how much is
+    recomputed in backward (:mod:`onnxtrain.passes.recompute`): None for ``$ORTMODULE_MEMORY_OPT_LEVEL`` /
+    ``$ORTMODULE_MEMORY_OPT_CONFIG`` if set, else the default plan (cheap pointwise ops only); a fraction
+    of the stashed bytes to keep at most (``0.5``; ``0.0``: recompute all it can), a number of bytes, a
+    string (``"0.5"``, ``"300MB"``, ``"off"``), or a ``Recompute``. The plan is logged at INFO.
     """
 
     log_level: LogLevel = field(default_factory=_env_log_level)
@@ -95,6 +107,7 @@ class DebugOptions:
     onnx_prefix: str = ""
     save_path: str = ""
     fallback: bool | None = None
+    recompute: float | int | str | Recompute | None = None
 
     def __post_init__(self):
         if isinstance(self.log_level, str):
@@ -104,6 +117,14 @@ class DebugOptions:
             raise ValueError("DebugOptions(save_onnx=True) needs an onnx_prefix naming the saved files")
         if self.fallback is None:
             self.fallback = _env_fallback()
+        if self.recompute is not None:
+            self.recompute = Recompute.of(self.recompute)  # a bad value fails here, not at the first step
+
+    def recompute_plan(self) -> Recompute:
+        """The recompute plan for graphs built now: the option, else the environment's, else the default."""
+        if self.recompute is not None:
+            return self.recompute
+        return recompute_from_env() or Recompute()
 
     @property
     def save_dir(self) -> Path:
