@@ -44,7 +44,6 @@ from __future__ import annotations
 import ast
 import json
 import logging
-import math
 import operator
 import os
 import re
@@ -52,6 +51,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
+
+from onnxtrain.passes.split_forward_backward import ancestors
 
 logger = logging.getLogger("onnxtrain.passes")
 
@@ -288,7 +289,7 @@ class RecomputePass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         fwd_outputs = list(graph.outputs[: self.num_forward_outputs])
-        forward = _ancestors(fwd_outputs)
+        forward = ancestors(fwd_outputs)
         order = {node: k for k, node in enumerate(graph)}
         leaves = set(graph.inputs) | set(graph.initializers.values())
         if not forward or len(forward) == len(order):
@@ -308,18 +309,6 @@ class RecomputePass(ir.passes.InPlacePass):
         if candidates:
             logger.info("%s", plan.table())
         return ir.passes.PassResult(model, modified=modified)
-
-
-def _ancestors(roots: Iterable[ir.Value]) -> set[ir.Node]:
-    seen: set[ir.Node] = set()
-    stack = [v.producer() for v in roots if v is not None and v.producer() is not None]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(v.producer() for v in node.inputs if v is not None and v.producer() is not None)
-    return seen
 
 
 def _is_onnx(node: ir.Node) -> bool:

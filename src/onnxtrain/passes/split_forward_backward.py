@@ -36,7 +36,8 @@ class Split:
         return len(self.stashed_outputs)
 
 
-def _ancestors(roots: Iterable[ir.Value]) -> set[ir.Node]:
+def ancestors(roots: Iterable[ir.Value]) -> set[ir.Node]:
+    """The nodes that the values ``roots`` depend on."""
     seen: set[ir.Node] = set()
     stack = [v.producer() for v in roots if v is not None and v.producer() is not None]
     while stack:
@@ -108,8 +109,8 @@ def split_forward_backward(model: ir.Model, num_forward_outputs: int, num_output
     fwd_inputs, seeds = inputs[: len(inputs) - num_output_grads], inputs[len(inputs) - num_output_grads:]
     fwd_outputs, grads = list(graph.outputs[:num_forward_outputs]), list(graph.outputs[num_forward_outputs:])
 
-    forward_nodes = _ancestors(fwd_outputs)
-    backward_nodes = _ancestors(grads) - forward_nodes
+    forward_nodes = ancestors(fwd_outputs)
+    backward_nodes = ancestors(grads) - forward_nodes
     ordered = list(graph)
     backward_nodes.update(n for n in ordered if n not in forward_nodes and any(o in grads for o in n.outputs))
     bwd_list = [n for n in ordered if n in backward_nodes]
