@@ -6,6 +6,7 @@ the model and generates the artifacts first.
 
     python benchmarks/ondevice_bench.py                 # MLP and BERT-small, 2 threads
     python benchmarks/ondevice_bench.py --models mlp --steps 50 --threads 4
+    python benchmarks/ondevice_bench.py --bf16          # adds autocast-bf16 eager and OpenVINO bf16 rows
 
 Models: MLP 784-1024-1024-10, batch 128; BERT-small (hidden 256, 4 layers, 4 heads, intermediate
 1024, seq 128, batch 8, dropout off), sequence classification with 2 labels.
@@ -104,7 +105,8 @@ def worker_ondevice(args) -> dict:
     options.inter_op_num_threads = 1
     d = Path(args.dir)
     state = CheckpointState.load_checkpoint(d / "checkpoint")
-    module = Module(d / "training_model.onnx", state, session_options=options)
+    module = Module(d / "training_model.onnx", state, session_options=options, backend=args.backend,
+                    precision=args.precision)
     optimizer = Optimizer(d / "optimizer_model.onnx", module)
     optimizer.set_learning_rate(1e-4)
     inputs, labels = make_batch(args.model)
@@ -128,9 +130,13 @@ def worker_torch(args) -> dict:
     inputs = [torch.from_numpy(x) for x in inputs]
     labels = torch.from_numpy(labels)
 
+    autocast = args.precision == "bf16"
+
     def step():
         optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(*inputs), labels)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(*inputs)
+        loss = torch.nn.functional.cross_entropy(logits.float(), labels)
         loss.backward()
         optimizer.step()
 
@@ -157,14 +163,23 @@ def generate(name: str, out: Path) -> None:
                                  optimizer=artifacts.OptimType.AdamW, artifact_directory=out)
 
 
-def run_worker(kind: str, name: str, d: Path, args) -> dict:
+# The rows: (label, worker, backend, precision). bf16: PyTorch eager under torch.autocast, and the on-device
+# runtime on OpenVINO with its bf16 hint (onnxtrain.runtime.backends).
+SIDES = {"ondevice": ("ondevice", "onnxruntime", "fp32"), "torch": ("torch", "", "fp32"),
+         "ondevice-bf16": ("ondevice", "openvino", "bf16"), "torch-bf16": ("torch", "", "bf16")}
+
+
+def run_worker(side: str, name: str, d: Path, args) -> dict:
+    kind, backend, precision = SIDES[side]
     cmd = [sys.executable, __file__, "--worker", kind, "--model", name, "--dir", str(d), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--threads", str(args.threads),
-           "--min-seconds", str(getattr(args, "min_seconds", 0.0))]
+           "--min-seconds", str(getattr(args, "min_seconds", 0.0)), "--precision", precision]
+    if backend:
+        cmd += ["--backend", backend]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if result.returncode != 0:
-        raise RuntimeError(f"{kind} worker for {name} failed:\n{result.stderr[-3000:]}")
+        raise RuntimeError(f"{side} worker for {name} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -176,7 +191,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--min-seconds", type=float, default=2.0,
                         help="time more steps than --steps until they add up to this many seconds")
+    parser.add_argument("--bf16", action="store_true",
+                        help="add bf16 rows: torch.autocast bf16 eager, and on-device on OpenVINO with bf16")
     parser.add_argument("--worker", choices=["ondevice", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -187,21 +206,26 @@ def main() -> int:
         return 0
 
     print(f"threads={args.threads} steps={args.steps} (after {args.warmup} warm-up); step = forward+backward+AdamW")
-    print(f"{'model':<6} {'side':<9} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} {'peak RSS MB':>12}")
+    print(f"{'model':<6} {'side':<13} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} {'peak RSS MB':>12}")
     for name in args.models:
         with tempfile.TemporaryDirectory(prefix=f"ondevice_bench_{name}_") as tmp:
             d = Path(tmp)
             generate(name, d)
-            rows = {kind: run_worker(kind, name, d, args) for kind in ("ondevice", "torch")}
+            sides = ["ondevice", "torch"] + (["ondevice-bf16", "torch-bf16"] if args.bf16 else [])
+            rows = {side: run_worker(side, name, d, args) for side in sides}
         medians = {}
         for kind, r in rows.items():
             times = sorted(t * 1e3 for t in r["times"])
             medians[kind] = statistics.median(times)
             p10, p90 = times[len(times) // 10], times[(9 * len(times)) // 10]
-            print(f"{name:<6} {kind:<9} {medians[kind]:>10.2f} {p10:>8.2f} {p90:>8.2f} {r['peak_rss_mb']:>12.0f}")
+            print(f"{name:<6} {kind:<13} {medians[kind]:>10.2f} {p10:>8.2f} {p90:>8.2f} {r['peak_rss_mb']:>12.0f}")
         if rows["ondevice"].get("loaded_torch"):
             print("warning: the on-device worker imported torch")
         print(f"{name:<6} ratio     torch/ondevice = {medians['torch'] / medians['ondevice']:.2f}x")
+        if args.bf16:
+            print(f"{name:<6} ratio     torch-bf16/ondevice-bf16 = "
+                  f"{medians['torch-bf16'] / medians['ondevice-bf16']:.2f}x (target 1.5x for BERT-small), "
+                  f"ondevice/ondevice-bf16 = {medians['ondevice'] / medians['ondevice-bf16']:.2f}x")
     return 0
 
 

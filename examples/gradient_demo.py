@@ -3,6 +3,8 @@
     python examples/gradient_demo.py
 """
 
+import argparse
+
 import numpy as np
 import onnxruntime as ort
 import torch
@@ -11,6 +13,7 @@ from onnxtrain.autodiff import gradient_model
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
     x = torch.randn(4, 8)

@@ -15,7 +15,7 @@ Nothing is downloaded: the model is a BERT built from a config with random weigh
 synthetic (the sentiment word a sentence opens with is its label), tokenized by a small in-memory
 word -> id map. Run:
 
-    python examples/text_classification.py [--steps 30] [--hidden 64] [--layers 2] [--output-dir out]
+    python examples/text_classification.py [--steps 30] [--hidden 64] [--layers 2] [--export-path model.onnx]
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def run(use_ort: bool, args, train_dataset, eval_dataset) -> dict:
     logged = [e for e in trainer.state.log_history if "loss" in e]
     metrics = trainer.evaluate()
     if use_ort and args.export:
-        path = trainer.export_onnx(os.path.join(args.output_dir, "text_classification.onnx"))
-        print(f"exported the trained model for inference: {path}")
+        path = trainer.export_onnx(args.export_path)  # outside the temporary output folder: it is kept
+        print(f"exported the trained model for inference: {os.path.abspath(path)}")
     return {"train_seconds": total, "samples_per_second": steady,
             "first_loss": logged[0]["loss"], "last_loss": logged[-1]["loss"],
             "eval_accuracy": metrics["eval_accuracy"]}
@@ -115,7 +115,10 @@ def main():
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--samples", type=int, default=512)
-    parser.add_argument("--output-dir", default=None, help="defaults to a temporary directory")
+    parser.add_argument("--output-dir", default=None,
+                        help="the trainers' output folder (default: a temporary folder, deleted at the end)")
+    parser.add_argument("--export-path", default="text_classification.onnx",
+                        help="where ORTTrainer exports the trained model for inference (default: %(default)s)")
     parser.add_argument("--no-export", dest="export", action="store_false", help="skip the ONNX inference export")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:

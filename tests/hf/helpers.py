@@ -89,23 +89,14 @@ def losses(trainer):
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def require_ortmodule():
-    """Skip, saying why, when onnxtrain.ORTModule cannot be imported."""
-    try:
-        from onnxtrain import ORTModule  # noqa: F401
-    except (ImportError, AttributeError) as error:
-        pytest.skip(f"onnxtrain.ORTModule is not available: {error}")
-
-
 def run_in_ort(what, action, *args, **kwargs):
-    """Run ``action``; skip (quoting ORTModule's warning) if ORTModule fell back to PyTorch on ``what``."""
-    require_ortmodule()
+    """Run ``action``; fail (quoting ORTModule's warning) if ORTModule fell back to PyTorch on ``what``."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = action(*args, **kwargs)
     for warning in caught:
         if issubclass(warning.category, UserWarning) and _is_fallback_warning(str(warning.message)):
-            pytest.skip(f"ORTModule falls back on {what}: {warning.message}")
+            pytest.fail(f"ORTModule falls back on {what}: {warning.message}")
     return result
 
 

@@ -7,25 +7,18 @@ import subprocess
 import sys
 import textwrap
 
-SCRIPT = textwrap.dedent("""
-    import sys
+import pytest
 
-    BLOCKED = ("torch", "onnx", "onnx_ir", "onnxscript", "transformers")
+from tests.import_blocker import BLOCK_IMPORTS
 
-    class Block:
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in BLOCKED:
-                raise ImportError(f"{name} is blocked in this test")
-            return None
-
-    sys.meta_path.insert(0, Block())
+SCRIPT = BLOCK_IMPORTS + textwrap.dedent("""
 
     import numpy as np
     from onnxtrain.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 
     d = sys.argv[1]
     state = CheckpointState.load_checkpoint(f"{d}/checkpoint")
-    module = Module(f"{d}/training_model.onnx", state, f"{d}/eval_model.onnx")
+    module = Module(f"{d}/training_model.onnx", state, f"{d}/eval_model.onnx", backend=sys.argv[2])
     optimizer = Optimizer(f"{d}/optimizer_model.onnx", module)
     scheduler = LinearLRScheduler(optimizer, 1, 10, 1e-2)
     rng = np.random.default_rng(0)
@@ -47,8 +40,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_runtime_imports_no_torch(mlp_artifacts):
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(mlp_artifacts.checkpoint.parent)],
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+def test_runtime_imports_no_torch(mlp_artifacts, backend):
+    if backend == "openvino":
+        pytest.importorskip("openvino")
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(mlp_artifacts.checkpoint.parent), backend],
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("ok")

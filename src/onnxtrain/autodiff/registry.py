@@ -50,6 +50,7 @@ class GradContext:
 
     # -- attributes and constant inputs ---------------------------------------------------
     def attr(self, name: str, default=None):
+        """The node's attribute ``name`` as a Python value (lists for repeated ones), or ``default``."""
         attr = self.node.attributes.get(name)
         if attr is None:
             return default
@@ -85,20 +86,25 @@ class GradContext:
         return out
 
     def has_input(self, i: int) -> bool:
+        """Whether the node has its ``i``-th input (optional inputs may be absent)."""
         return i < len(self.inputs) and self.inputs[i] is not None
 
     # -- static shape facts ---------------------------------------------------------------
     @staticmethod
     def rank(value: ir.Value) -> int | None:
+        """The rank of ``value``, or None when its shape is unknown."""
         return None if value.shape is None else len(value.shape)
 
     def shape(self, value: ir.Value) -> ir.Value:
+        """A ``Shape`` node's output: the run-time shape of ``value``."""
         return self.b.Shape(value)
 
     def scalar(self, x: float, like: ir.Value | None = None) -> ir.Value:
+        """A constant scalar ``x`` of the element type of ``like`` (default: the node's first input)."""
         return self.b.scalar(x, like if like is not None else self.inputs[0])
 
     def zeros_like(self, value: ir.Value) -> ir.Value:
+        """Zeros of the shape and type of ``value``."""
         return zeros_like(self.b, value)
 
     def sum_to(self, grad: ir.Value, x: ir.Value, grad_shape=None) -> ir.Value:
@@ -139,10 +145,12 @@ class Rule:
     kind: str = "rule"  # "rule", "no_grad" (outputs not differentiable), "zero_grad" (gradient is 0)
 
     def covers(self, opset: int) -> bool:
+        """Whether this rule applies at ``opset``."""
         return self.since <= opset and (self.until is None or opset <= self.until)
 
     @property
     def differentiable(self) -> bool:
+        """False for ops registered as having no gradient (``no_grad``)."""
         return self.kind == "rule"
 
 
@@ -159,6 +167,7 @@ class RuleTable:
 
     def register(self, *op_types: str, domain: str = ONNX_DOMAIN, since: int = 1,
                  until: int | None = None, broadcast: bool = False):
+        """Decorator: register the function as the gradient rule of ``op_types`` for opsets ``since``..``until``."""
         def decorate(fn: RuleFn) -> RuleFn:
             for op_type in op_types:
                 self.rules.append(Rule(normalize_domain(domain), op_type, fn, since, until, broadcast))
@@ -203,6 +212,7 @@ class DuplicateRuleError(ValueError):
 
 
 class Registry:
+    """Every rule table joined, keyed by ``(domain, op_type)``; rejects two rules whose opset ranges overlap."""
     def __init__(self, *tables: RuleTable):
         self._rules: dict[tuple[str, str], list[Rule]] = {}
         for table in tables:
@@ -223,6 +233,7 @@ class Registry:
         self._rules.setdefault(key, []).append(rule)
 
     def lookup(self, domain: str, op_type: str, opset: int) -> Rule | None:
+        """The rule for ``op_type`` in ``domain`` at ``opset``, or None when no rule covers it."""
         for rule in self._rules.get((normalize_domain(domain), op_type), []):
             if rule.covers(opset):
                 return rule
@@ -233,6 +244,7 @@ class Registry:
             yield from rules
 
     def op_types(self) -> list[tuple[str, str]]:
+        """Every ``(domain, op_type)`` that has a rule, sorted."""
         return sorted(self._rules)
 
 

@@ -60,6 +60,7 @@ class LossInput:
         return cls(name, value.dtype, _dims(value.shape))
 
     def to_value(self) -> ir.Value:
+        """This input as an ``onnx_ir`` graph input value."""
         dtype = self.dtype if isinstance(self.dtype, ir.DataType) else _dtype_from_name(self.dtype)
         shape = None if self.shape is None else ir.Shape(list(self.shape))
         return ir.Value(name=self.name, type=ir.TensorType(dtype), shape=shape)
@@ -89,6 +90,8 @@ class Loss:
         return []
 
     def build(self, op: GraphBuilder, *values: ir.Value) -> ir.Value:
+        """Emit the loss nodes with ``op``; ``values`` are the model outputs read, then the inputs from
+        :meth:`inputs`. Return the scalar loss value."""
         raise NotImplementedError(f"{type(self).__name__} must implement build(op, *outputs, *inputs)")
 
     def __repr__(self) -> str:
@@ -129,6 +132,7 @@ class MSELoss(_TargetLoss):
     """``mean((output - target)**2)``; the extra input ``target`` has the output's type and shape."""
 
     def build(self, op, output, target):
+        """The mean (or summed) squared difference of ``output`` and ``target``."""
         self._require_float(output, "MSELoss")
         diff = op.Sub(output, target)
         return self._reduce(op, op.Mul(diff, diff))
@@ -138,6 +142,7 @@ class L1Loss(_TargetLoss):
     """``mean(|output - target|)``; the extra input ``target`` has the output's type and shape."""
 
     def build(self, op, output, target):
+        """The mean (or summed) absolute difference of ``output`` and ``target``."""
         self._require_float(output, "L1Loss")
         return self._reduce(op, op.Abs(op.Sub(output, target)))
 
@@ -166,6 +171,8 @@ class CrossEntropyLoss(_SingleOutputLoss):
                           f"class labels of CrossEntropyLoss ({classes} classes)")]
 
     def build(self, op, output, labels):
+        """The cross-entropy of ``output`` (logits ``[N, C, ...]``) against class ``labels`` (PyTorch's
+        ``cross_entropy``)."""
         self._require_float(output, "CrossEntropyLoss")
         if output.shape is not None and len(output.shape) < 2:
             raise ValueError(f"CrossEntropyLoss needs logits of rank >= 2 ([N, C, ...]); {output.name!r} has "
@@ -187,6 +194,7 @@ class BCEWithLogitsLoss(_TargetLoss):
         self.pos_weight = None if pos_weight is None else np.asarray(pos_weight)
 
     def build(self, op, x, t):
+        """The binary cross-entropy of logits ``x`` against targets ``t`` (see the class docstring), reduced."""
         self._require_float(x, "BCEWithLogitsLoss")
         one = op.scalar(1.0, like=x)
         softplus_neg_abs = op.Log(op.Add(one, op.Exp(op.Neg(op.Abs(x)))))

@@ -84,6 +84,8 @@ class AdamW:
         return {"decay": op.Sub(c(1.0), op.Mul(lr, c(self.weight_decay))), "step_size": step_size, "eps": eps}
 
     def update(self, op: GraphBuilder, p, g, states, k: dict[str, ir.Value]):
+        """The new parameter and states (first and second moments) of one parameter ``p`` with gradient ``g``
+        (PyTorch's AdamW)."""
         m, v = states
         b1, b2 = self.betas
         c = lambda x: op.const(x, dtype=p.dtype)
@@ -115,12 +117,15 @@ class SGD:
 
     @property
     def states(self) -> tuple[str, ...]:
+        """The optimizer state per parameter: a momentum buffer when ``momentum`` is set, else none."""
         return ("momentum_buffer",) if self.momentum else ()
 
     def scalars(self, op: GraphBuilder, lr, step, dtype: ir.DataType) -> dict[str, ir.Value]:
+        """Values shared by every parameter's update: the learning rate and whether this is the first step."""
         return {"lr": lr, "first": op.Equal(step, op.const(np.array(1, np.int64)))}
 
     def update(self, op: GraphBuilder, p, g, states, k: dict[str, ir.Value]):
+        """The new parameter and states of one parameter ``p`` with gradient ``g`` (PyTorch's SGD)."""
         c = lambda x: op.const(x, dtype=p.dtype)
         if self.weight_decay:
             g = op.Add(g, op.Mul(p, c(self.weight_decay)))

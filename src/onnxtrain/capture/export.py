@@ -15,13 +15,16 @@ import logging
 import threading
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import onnx
 import onnx_ir as ir
 import torch
 
-from onnxtrain.capture.flatten import Spec, flatten, unflatten
+from onnxtrain.capture.flatten import Constant, Spec, flatten, unflatten
+from onnxtrain.capture.moe import moe_translations
 from onnxtrain.capture.promotion import needs_type_promotion
+from onnxtrain.capture.quiet import quiet_exporter, summary
 from onnxtrain.capture.registry import lazy_registry, registry_key
 from onnxtrain.capture.stop_gradient import mark_stop_gradients
 from onnxtrain.capture.translations import TRANSLATIONS
@@ -97,6 +100,10 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, verbose: bool
         try:
             model = globals()[_EXPORTERS[label]](wrapper, flat, verbose)
             break
+        except TraceDependsOnExample as exc:  # the reason, in one line, with the dynamo exporter's first line
+            logger.info("export: %s", "\n".join(errors))
+            raise TraceDependsOnExample(f"{exc}; torch.export failed too (log level INFO shows why)" if errors
+                                        else str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - any exporter failure: try the next, report all
             errors.append(f"{label} failed: {type(exc).__name__}: {exc}")
             logger.info("export: %s", errors[-1])
@@ -106,8 +113,10 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, verbose: bool
             + "\nSimplify the forward (data-dependent control flow, unsupported ops), or run it in PyTorch."
         )
     if len(errors) == 1:
+        logger.debug("export: %s", errors[0])
         warnings.warn(f"the dynamo exporter failed, the TorchScript exporter was used instead (gradients then "
-                      f"flow through detach() and torch.no_grad() blocks): {errors[0]}", UserWarning, stacklevel=3)
+                      f"flow through detach() and torch.no_grad() blocks): {summary(errors[0])}", UserWarning,
+                      stacklevel=3)
     if "output_spec" not in record:
         raise ExportError("the exporter never ran the module's forward; cannot tell its output structure"
                           + "".join(f"\n  {e[:2000]}" for e in errors))
@@ -149,11 +158,14 @@ def _export_dynamo(wrapper: FlatModule, flat: list[torch.Tensor], verbose: bool)
 def _export_dynamo_with(wrapper: FlatModule, flat: list[torch.Tensor], verbose: bool, dynamic_ones: bool) -> ir.Model:
     auto = torch.export.Dim.AUTO
     shapes = tuple({axis: auto for axis in dynamic_axes(t) if dynamic_ones or t.shape[axis] != 1} for t in flat)
-    with _quiet(verbose), _exporter_shortcuts(keep_stack_traces=verbose):
+    with quiet_exporter(verbose), _exporter_shortcuts(keep_stack_traces=verbose) as hooked:
         program = torch.onnx.export(
             wrapper, tuple(flat), dynamo=True, dynamic_shapes=(shapes,), optimize=False,
-            custom_translation_table=TRANSLATIONS, opset_version=OPSET, verbose=verbose,
+            custom_translation_table={**TRANSLATIONS, **moe_translations()}, opset_version=OPSET, verbose=verbose,
         )
+    if not hooked["stop_gradients"]:
+        raise ExportError(f"torch {torch.__version__}'s ONNX exporter never called the hook where onnxtrain marks "
+                          "detach() and no_grad blocks: gradients would flow through them")
     return program.model
 
 
@@ -162,13 +174,36 @@ def _export_torchscript(wrapper: FlatModule, flat: list[torch.Tensor], verbose: 
     axes = {name: {a: f"{name}_dim{a}" for a in dynamic_axes(t)} for name, t in zip(names, flat)}
     mode = torch.onnx.TrainingMode.TRAINING if wrapper.training else torch.onnx.TrainingMode.EVAL
     buffer = io.BytesIO()
-    with _quiet(verbose):
+    with quiet_exporter(verbose), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", torch.jit.TracerWarning)  # also those torch's own filters hide
         torch.onnx.export(
             wrapper, tuple(flat), buffer, dynamo=False, input_names=names, dynamic_axes=axes,
             training=mode, do_constant_folding=False, opset_version=OPSET, verbose=verbose,
         )
+    _refuse_example_dependent_trace(caught)
     proto = onnx.load_from_string(buffer.getvalue())
     return ir.from_proto(proto)
+
+
+class TraceDependsOnExample(ExportError):
+    """The TorchScript trace recorded what the example input did, not what the code does for every input."""
+
+
+def _refuse_example_dependent_trace(caught: list[warnings.WarningMessage]) -> None:
+    """Raise if tracing warned that the trace depends on the example: a data-dependent branch or a tensor
+    turned into a Python number (frozen into the graph as the example's value), or an output that does
+    not depend on the inputs. Any ``TracerWarning`` says so; the first one is the reason, in one line."""
+    for w in caught:
+        if issubclass(w.category, torch.jit.TracerWarning):
+            where = f"{Path(w.filename).name}:{w.lineno}"
+            raise TraceDependsOnExample(f"the TorchScript trace depends on the example input (TracerWarning at "
+                                        f"{where}: {_first_sentence(str(w.message))}): it would train what the "
+                                        "first batch did on every batch")
+
+
+def _first_sentence(text: str) -> str:
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return line.split(". ")[0].rstrip(".")
 
 
 _PATCH_LOCK = threading.Lock()
@@ -192,19 +227,20 @@ def _exporter_shortcuts(keep_stack_traces: bool = False):
       recorded unless ``keep_stack_traces`` (verbose exports). BERT-small's export, warm, 0.66-0.70 ->
       0.60-0.61 s, and no source lines of every module on the way kept in ``linecache``.
 
-    These reach into the exporter's internals; where they are not as expected, the exporter runs unchanged
-    (and a warning says that gradients may then flow through ``detach()`` and ``no_grad`` blocks).
+    These reach into the exporter's internals. Where the hooks are missing, or the exporter never calls the
+    one that marks stop-gradients, the export fails with that reason (gradients would flow through
+    ``detach()`` and ``no_grad`` blocks); the other shortcuts fall back to the exporter's own step.
     """
     try:
         from torch.onnx._internal.exporter import _fx_passes, _registration
         original_decompose = _fx_passes.decompose_with_registry
         original_promote = _fx_passes.insert_type_promotion_nodes
         original_registry = _registration.ONNXRegistry.__dict__["from_torchlib"].__func__
-    except (ImportError, AttributeError, KeyError):
-        warnings.warn("this torch version's ONNX exporter has no hook for onnxtrain: gradients may flow through "
-                      "detach() and torch.no_grad() blocks of the module", UserWarning, stacklevel=4)
-        yield
-        return
+    except (ImportError, AttributeError, KeyError) as exc:
+        raise ExportError(f"torch {torch.__version__}'s ONNX exporter lacks the hook where onnxtrain marks detach() "
+                          f"and no_grad blocks ({type(exc).__name__}: {exc}): gradients would flow through them"
+                          ) from None
+    hooked = {"stop_gradients": False}  # set once the exporter has called the hook that marks them
 
     def from_torchlib(cls, opset_version=None):
         opset = opset_version if opset_version is not None else _registration._constants.TORCHLIB_OPSET
@@ -215,6 +251,7 @@ def _exporter_shortcuts(keep_stack_traces: bool = False):
             return original_registry(cls, opset)
 
     def decompose(program, registry):
+        hooked["stop_gradients"] = True
         if mark_stop_gradients(program):  # before anything else: gradients depend on it
             logger.debug("detach() / no_grad regions marked as stop-gradient")
         try:
@@ -244,7 +281,7 @@ def _exporter_shortcuts(keep_stack_traces: bool = False):
         if stack_traces is not None and not keep_stack_traces:
             fx_config.do_not_emit_stack_traces = True
         try:
-            yield
+            yield hooked
         finally:
             if stack_traces is not None:
                 fx_config.do_not_emit_stack_traces = stack_traces
@@ -280,24 +317,6 @@ def _needs_decomposition(program: torch.export.ExportedProgram, registry) -> boo
     return False
 
 
-@contextlib.contextmanager
-def _quiet(verbose: bool):
-    if verbose:
-        yield
-        return
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
 def _finish(model: ir.Model, wrapper: FlatModule, output_spec: Spec, flat: list[torch.Tensor],
             exporter: str) -> Captured:
     graph = model.graph
@@ -308,6 +327,9 @@ def _finish(model: ir.Model, wrapper: FlatModule, output_spec: Spec, flat: list[
             graph.initializers[value.name] = value
     num_outputs = len(graph.outputs) - len(wrapper.buffer_names)
     mutated = _drop_unchanged_buffers(graph, wrapper.buffer_names, num_outputs)
+    if not graph.outputs:  # onnxruntime refuses a graph without outputs (in C++, at session creation)
+        raise ExportError(f"the forward returns no tensor ({_describe(output_spec)}) and updates no buffer: "
+                          "there is nothing for onnxruntime to compute")
     static = [
         {axis: dim for axis, dim in enumerate(value.shape or []) if isinstance(dim, int)}
         for value in graph.inputs
@@ -318,6 +340,13 @@ def _finish(model: ir.Model, wrapper: FlatModule, output_spec: Spec, flat: list[
             "the module does not use may have been dropped. Remove unused tensor arguments."
         )
     return Captured(model, output_spec, num_outputs, mutated, exporter, static)
+
+
+def _describe(spec: Spec) -> str:
+    """What a forward without tensor outputs returned, for the error: ``None``, ``a str``, ``a tuple``."""
+    if isinstance(spec, Constant):
+        return "None" if spec.value is None else f"a {spec.kind.__name__}"
+    return f"a {getattr(spec, 'kind', type(spec)).__name__} of no tensors"
 
 
 def _drop_unchanged_buffers(graph: ir.Graph, buffer_names: list[str], num_outputs: int) -> list[str]:

@@ -26,5 +26,6 @@ class LinearLRScheduler:
         return max(0.0, (self._total - step) / max(1, self._total - self._warmup))
 
     def step(self) -> None:
+        """Advance one step and set the optimizer's learning rate for it (linear warm-up, then linear decay)."""
         self._step += 1
         self._optimizer.set_learning_rate(self._initial_lr * self._factor(self._step))

@@ -17,6 +17,7 @@ import onnxruntime as ort
 from onnxtrain.ondevice.format import TRAINING_METADATA_KEY, TRAINING_MODEL_FORMAT
 from onnxtrain.ondevice.session import Runner, create_session, read_metadata
 from onnxtrain.ondevice.state import CheckpointState
+from onnxtrain.runtime import backends
 from onnxtrain.utils.ort_options import for_training
 
 
@@ -53,17 +54,25 @@ class Module:
     ``session_options`` serve the training, eval and optimizer sessions. By default
     (:func:`onnxtrain.utils.ort_options.for_training`) they share one CPU arena, use no memory patterns
     and let idle threads sleep, since the sessions take turns; options you pass are used as they are.
+
+    ``backend`` ("onnxruntime", "openvino", or None for the ``ONNXTRAIN_BACKEND`` env var, else the one the
+    precision needs) runs the training and eval models; ``precision="bf16"`` runs them in bfloat16 on
+    OpenVINO (:mod:`onnxtrain.runtime.backends`; where that cannot run, a warning and float32). The
+    optimizer model always runs on onnxruntime, in float32. See docs/precision.md.
     """
 
     def __init__(self, train_model_uri: str | os.PathLike, state: CheckpointState,
                  eval_model_uri: str | os.PathLike | None = None, device: str = "cpu",
-                 session_options: ort.SessionOptions | None = None):
+                 session_options: ort.SessionOptions | None = None, backend: str | None = None,
+                 precision: str | None = None):
         if not isinstance(state, CheckpointState):
             raise TypeError(f"state must be a CheckpointState, got {type(state).__name__}")
         self._state = state
         self.device = device
+        self.backend, self.precision = backends.resolve(backend, precision, device)
         self.session_options = for_training() if session_options is None else session_options
-        session = create_session(train_model_uri, self.session_options, device, "training model")
+        session = create_session(train_model_uri, self.session_options, device, "training model", self.backend,
+                                 self.precision)
         meta = read_metadata(session, TRAINING_METADATA_KEY, train_model_uri, "training model")
         if meta.get("kind") != "training":
             raise ValueError(f"{train_model_uri} is the {meta.get('kind')} model; pass training_model.onnx as "
@@ -77,7 +86,8 @@ class Module:
         self._eval: Runner | None = None
         self._eval_uri = eval_model_uri
         if eval_model_uri is not None:
-            eval_session = create_session(eval_model_uri, self.session_options, device, "eval model")
+            eval_session = create_session(eval_model_uri, self.session_options, device, "eval model", self.backend,
+                                          self.precision)
             eval_meta = read_metadata(eval_session, TRAINING_METADATA_KEY, eval_model_uri, "eval model")
             check_agreement(state, eval_meta, eval_session, eval_model_uri)
             self._eval = Runner(eval_session, eval_meta, eval_model_uri)
@@ -110,10 +120,12 @@ class Module:
 
     # -- modes --------------------------------------------------------------------------------
     def train(self, mode: bool = True) -> Module:
+        """Train mode (``mode=True``, calls run forward and backward) or eval mode; returns the module."""
         self.training = mode
         return self
 
     def eval(self) -> Module:
+        """Eval mode: calls run the eval model (no gradients); returns the module."""
         return self.train(False)
 
     # -- steps --------------------------------------------------------------------------------
@@ -143,10 +155,12 @@ class Module:
 
     # -- introspection ------------------------------------------------------------------------
     def input_names(self) -> list[str]:
+        """The names of the inputs a call takes in the current mode (model inputs, then loss inputs)."""
         runner = self._train if self.training or self._eval is None else self._eval
         return list(runner.user_inputs)
 
     def output_names(self) -> list[str]:
+        """The names of the outputs a call returns in the current mode (the loss first)."""
         runner = self._train if self.training or self._eval is None else self._eval
         return list(runner.outputs)
 
@@ -155,6 +169,7 @@ class Module:
         return [n for n in self._state.names() if not trainable_only or self._state.requires_grad(n)]
 
     def get_parameters_size(self, trainable_only: bool = True) -> int:
+        """The number of parameter elements (trainable ones only, by default)."""
         return int(sum(self._state.array(n).size for n in self._param_names(trainable_only)))
 
     def get_contiguous_parameters(self, trainable_only: bool = False) -> ort.OrtValue:

@@ -95,8 +95,10 @@ class Optimizer:
         self._state.optimizer_step = int(self._step)
 
     def set_learning_rate(self, learning_rate: float) -> None:
+        """Set the learning rate of the next steps."""
         self._lr[...] = learning_rate
         self._state.learning_rate = float(learning_rate)
 
     def get_learning_rate(self) -> float:
+        """The learning rate of the next step."""
         return float(self._lr)

@@ -9,6 +9,7 @@ import numpy as np
 import onnxruntime as ort
 
 from onnxtrain.ondevice.inputs import InputChecker
+from onnxtrain.runtime import backends
 
 ORT_TYPES = {
     "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
@@ -17,16 +18,19 @@ ORT_TYPES = {
 }
 
 
-def create_session(uri, session_options: ort.SessionOptions, device: str, what: str) -> ort.InferenceSession:
-    """The one place the runtime creates an onnxruntime session (``what``: "training model", ...)."""
+def create_session(uri, session_options: ort.SessionOptions, device: str, what: str, backend: str = "onnxruntime",
+                   precision: str = "fp32") -> ort.InferenceSession:
+    """The one place the runtime creates a session (``what``: "training model", ...): onnxruntime's, or one
+    with its interface on another backend (:mod:`onnxtrain.runtime.backends`; ``backend`` and ``precision``
+    as :func:`~onnxtrain.runtime.backends.resolve` gives them)."""
     path = Path(uri)
     if not path.is_file():
         raise FileNotFoundError(f"{what} not found: {path} (generate_artifacts writes it)")
     providers = _providers(device)
     try:
-        return ort.InferenceSession(str(path), sess_options=session_options, providers=providers)
+        return backends.create_session(path, backend, precision, session_options, providers)
     except Exception as exc:
-        raise ValueError(f"onnxruntime cannot load the {what} {path}: {exc}") from exc
+        raise ValueError(f"{backend} cannot load the {what} {path}: {exc}") from exc
 
 
 def _providers(device: str) -> list[str]:

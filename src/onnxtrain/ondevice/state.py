@@ -25,10 +25,12 @@ class Parameter:
 
     @property
     def requires_grad(self) -> bool:
+        """Whether this parameter is trained."""
         return self._state.requires_grad(self.name)
 
     @property
     def data(self) -> np.ndarray:
+        """A copy of the parameter's values; assign an array of the same shape and dtype to change them."""
         return self._state.array(self.name).copy()
 
     @data.setter
@@ -133,10 +135,12 @@ class CheckpointState:
     # -- reading ------------------------------------------------------------------------------
     @property
     def parameters(self) -> Mapping[str, Parameter]:
+        """The checkpoint's parameters by name, as :class:`Parameter` objects (read and assign ``.data``)."""
         return _Parameters(self)
 
     @property
     def properties(self) -> MutableMapping:
+        """User properties saved with the checkpoint (ints, floats and strings), e.g. the epoch."""
         return self._properties
 
     @property
@@ -149,6 +153,7 @@ class CheckpointState:
         return list(self._arrays)
 
     def requires_grad(self, name: str) -> bool:
+        """Whether the parameter ``name`` is trained (False: kept in the checkpoint, frozen)."""
         return self._requires_grad[name]
 
     def array(self, name: str) -> np.ndarray:

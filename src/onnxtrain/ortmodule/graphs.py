@@ -120,6 +120,9 @@ class SchemaGraphs:
     shared_weights: set[str] = field(default_factory=set)  # those of both that other modules use too
     log_severity: int = 3
     saver: Saver | None = None
+    # Which engine runs the sessions, in which precision (onnxtrain.runtime.backends.resolve).
+    backend: str = "onnxruntime"
+    precision: str = "fp32"
     inference: TorchSession | None = None
     training: dict[tuple[bool, ...], Training] = field(default_factory=dict)
 
@@ -145,7 +148,8 @@ class SchemaGraphs:
 
     def _session(self, proto: onnx.ModelProto) -> TorchSession:
         proto = strip_stop_gradients(proto)
-        return TorchSession(proto, self.device, session_options(log_severity=self.log_severity))
+        return TorchSession(proto, self.device, session_options(log_severity=self.log_severity), self.backend,
+                            self.precision)
 
 
 def prepare(captured: Captured, state_names: list[str], device: torch.device, log_severity: int) -> SchemaGraphs:

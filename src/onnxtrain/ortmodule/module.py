@@ -7,8 +7,14 @@
 
 One set of graphs is built per input *schema*: the structure of the arguments, non-tensor argument values,
 tensor dtypes, ranks, devices and ``requires_grad``, train/eval mode, and the parameters' dtypes, devices
-and ``requires_grad``. Batch and sequence lengths are
+and ``requires_grad``, and the ``torch.autocast`` state. Batch and sequence lengths are
 dynamic and never cause a new export.
+
+Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` the float32 graphs run on OpenVINO with its bfloat16
+precision hint (onnxtrain.runtime.backends; without the ``openvino`` package or a CPU with bfloat16, a
+warning once and float32). Outputs are float32 where eager autocast's would be bfloat16. Other autocast
+states (float16 on CPU, any on CUDA) are not supported yet: a warning once, and the graphs run float32.
+``backend=`` (or the ``ONNXTRAIN_BACKEND`` env var) picks the engine: "onnxruntime" (default) or "openvino".
 """
 
 from __future__ import annotations
@@ -19,22 +25,27 @@ from collections import OrderedDict
 
 import torch
 
-from onnxtrain.capture import capture, flatten, unflatten
+from onnxtrain.capture import capture, flatten, leaf_paths, unflatten
+from onnxtrain.capture.quiet import summary
 from onnxtrain.ortmodule.function import ORTFunction, reseed
 from onnxtrain.ortmodule.graphs import Saver, SchemaGraphs, build_training, prepare
 from onnxtrain.ortmodule.options import FALLBACK_ENV, DebugOptions
+from onnxtrain.ortmodule.verify import VerificationError, first_difference
+from onnxtrain.runtime import backends
 from onnxtrain.utils.gc import young_objects_only
 
 logger = logging.getLogger("onnxtrain.ortmodule")
 
 # Attributes that live on the ORTModule itself; everything else is looked up on the wrapped module.
-_OWN = ("_cache", "_debug", "_fallback_reason", "_export_count", "_schema_ids")
+_OWN = ("_cache", "_debug", "_fallback_reason", "_export_count", "_schema_ids", "_backend", "_verified")
+_warned_autocast: set[tuple] = set()
 
 
 class ORTModule(torch.nn.Module):
     """A ``torch.nn.Module`` that runs ``module`` in onnxruntime (see the module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None):
+    def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None,
+                 backend: str | None = None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, not a {type(module).__name__}")
         if isinstance(module, ORTModule):
@@ -46,6 +57,9 @@ class ORTModule(torch.nn.Module):
         self._schema_ids: dict[tuple, int] = {}
         self._fallback_reason: str | None = None
         self._export_count = 0
+        self._verified: set[int] = set()  # ids of the graphs (inference or training) verify has checked
+        backends.resolve(backend, None)  # an unknown or missing backend is an error now, not at the first call
+        self._backend = backend
         logger.setLevel(self._debug.log_level.python_level)
 
     # -- what users see -------------------------------------------------------------------
@@ -61,6 +75,7 @@ class ORTModule(torch.nn.Module):
 
     @property
     def debug_options(self) -> DebugOptions:
+        """The :class:`DebugOptions` this module was made with."""
         return self._debug
 
     def forward(self, *args, **kwargs):
@@ -74,6 +89,12 @@ class ORTModule(torch.nn.Module):
         except Exception as exc:  # noqa: BLE001 - any export/build failure falls back (or re-raises)
             self._fall_back(exc)
             return self.module(*args, **kwargs)
+        if self._debug.verify and id(training or graphs) not in self._verified:
+            self._verified.add(id(training or graphs))
+            problem = self._verify(graphs, training, args, kwargs, tensors, state, spec)
+            if problem is not None:
+                self._fall_back(VerificationError(f"verify: {problem}, on the first batch of a new graph"))
+                return self.module(*args, **kwargs)
         if training is None:
             outputs = self._run_inference(graphs, tensors, state)
         else:
@@ -89,6 +110,7 @@ class ORTModule(torch.nn.Module):
             tuple((t.dtype, t.dim(), t.device, t.requires_grad) for t in tensors),
             self.module.training,
             tuple((p.dtype, p.device, p.requires_grad) for p in self.module.parameters()),
+            _autocast_state(),
         )
 
     def _graphs_for(self, args, kwargs, tensors, spec) -> SchemaGraphs:
@@ -105,18 +127,21 @@ class ORTModule(torch.nn.Module):
     def _export(self, key, index: int, args, kwargs, tensors) -> SchemaGraphs:
         tag = f"s{self._schema_ids.setdefault(key, len(self._schema_ids))}_{index}"
         logger.info("exporting %s for a new input schema (%s)", type(self.module).__name__, tag)
-        with _no_side_effects(self.module):
+        device = _device_of(self.module, tensors)
+        backend, precision = _backend_for(self._backend, device)
+        # The float32 graph is captured: the precision is the backend's business.
+        with _no_side_effects(self.module), torch.autocast(device.type, enabled=False):
             captured = capture(self.module, args, kwargs,
                                verbose=self._debug.log_level <= 0)
         self._export_count += 1
         state_names = [n for n in self._state_names() if n in captured.model.graph.initializers]
-        device = _device_of(self.module, tensors)
         saver = self._saver(tag)
         if saver is not None:
             saver(captured.model, "exported")
         graphs = prepare(captured, state_names, device, int(self._debug.log_level))
         graphs.padding_rows, graphs.freq_scaled, graphs.shared_weights = _embedding_rules(self.module)
         graphs.saver = saver
+        graphs.backend, graphs.precision = backend, precision
         if saver is not None:
             saver(graphs.base, "inference")
         return graphs
@@ -155,6 +180,36 @@ class ORTModule(torch.nn.Module):
         return Saver(self._debug.save_dir, self._debug.onnx_prefix, tag)
 
     # -- running --------------------------------------------------------------------------
+    def _verify(self, graphs: SchemaGraphs, training, args, kwargs, tensors, state, spec) -> str | None:
+        """Run this batch through onnxruntime and through eager from the same RNG state and buffers;
+        the first output or gradient that differs, or None (:mod:`onnxtrain.ortmodule.verify`)."""
+        unchecked = ("it draws random numbers (dropout) that onnxruntime draws differently from PyTorch; verify "
+                     "it with dropout set to 0" if graphs.random else
+                     "it runs under torch.autocast, whose precision differs from eager's by design"
+                     if any(_autocast_state()[k][0] for k in range(2)) else None)
+        if unchecked:
+            warnings.warn(f"ORTModule(verify) cannot check {type(self.module).__name__}'s graph: {unchecked}",
+                          UserWarning, stacklevel=3)
+            return None
+        flags = [t.requires_grad for t in (*tensors, *state)] if training is not None else []
+        names = [*leaf_paths(spec, "input"), *graphs.state_names]
+        wrt = [t for t, flag in zip((*tensors, *state), flags) if flag]
+        wrt_names = [n for n, flag in zip(names, flags) if flag]
+        rng = torch.get_rng_state()
+
+        def run_ort():
+            if training is None:
+                return self._run_inference(graphs, tensors, state)[: graphs.num_outputs]
+            return list(ORTFunction.apply(graphs, training, *tensors, *state)[: graphs.num_outputs])
+
+        def run_eager():
+            torch.set_rng_state(rng)
+            return flatten(self.module(*args, **kwargs), "output")[0]
+
+        with _no_side_effects(self.module):
+            return first_difference(run_ort, run_eager, leaf_paths(graphs.captured.output_spec, "output"),
+                                    wrt, wrt_names)
+
     def _run_inference(self, graphs: SchemaGraphs, tensors, state) -> list[torch.Tensor]:
         session = graphs.inference_session()
         with torch.no_grad():
@@ -173,10 +228,11 @@ class ORTModule(torch.nn.Module):
         if not self._debug.fallback:
             raise exc
         self._fallback_reason = f"{type(exc).__name__}: {exc}"
+        logger.debug("fallback to PyTorch, the full reason: %s", self._fallback_reason)
         warnings.warn(
-            f"ORTModule falls back to PyTorch for {type(self.module).__name__}: {self._fallback_reason}\n"
-            f"The module now runs in PyTorch eager mode. To raise this error instead, set "
-            f"{FALLBACK_ENV}=0 or pass DebugOptions(fallback=False).",
+            f"ORTModule falls back to PyTorch for {type(self.module).__name__}: {summary(self._fallback_reason)}\n"
+            f"It now runs in PyTorch eager mode. The full reason: model.fallback_reason (or "
+            f"ONNXTRAIN_LOG_LEVEL=VERBOSE); to raise instead: {FALLBACK_ENV}=0 or DebugOptions(fallback=False).",
             UserWarning, stacklevel=3,
         )
 
@@ -211,6 +267,7 @@ class ORTModule(torch.nn.Module):
         state = self.__dict__.copy()
         state["_cache"] = {}
         state["_schema_ids"] = {}
+        state["_verified"] = set()
         return state
 
     def __setstate__(self, state):
@@ -248,6 +305,26 @@ def _embedding_rules(module: torch.nn.Module) -> tuple[dict[str, int], set[str],
         if (row is not None or scaled) and uses[key] > 1:
             shared.update(aliases[key])
     return rows, by_freq, shared
+
+
+def _autocast_state() -> tuple:
+    """(enabled, dtype) of torch.autocast on CPU and on CUDA: part of the schema."""
+    return tuple((torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda"))
+
+
+def _backend_for(backend: str | None, device: torch.device) -> tuple[str, str]:
+    """The (backend, precision) that runs the graphs under the current autocast state."""
+    kind = device.type
+    if not torch.is_autocast_enabled(kind):
+        return backends.resolve(backend, "fp32", kind)
+    dtype = torch.get_autocast_dtype(kind)
+    if kind == "cpu" and dtype == torch.bfloat16:
+        return backends.resolve(backend, "bf16", kind)
+    if (kind, dtype) not in _warned_autocast:
+        _warned_autocast.add((kind, dtype))
+        warnings.warn(f"ORTModule does not run torch.autocast({kind!r}, dtype={dtype}) yet: its graphs run in "
+                      "float32 (autocast bfloat16 on CPU is supported)", RuntimeWarning, stacklevel=4)
+    return backends.resolve(backend, "fp32", kind)
 
 
 def _device_of(module: torch.nn.Module, tensors: list[torch.Tensor]) -> torch.device:

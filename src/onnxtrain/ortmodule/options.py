@@ -4,7 +4,12 @@ Environment variables (read when an ORTModule is created):
 
 - ``ONNXTRAIN_FALLBACK=0`` turns the fallback to PyTorch off: an export or graph-building error is raised
   instead of warned about. ``DebugOptions(fallback=...)`` overrides it.
-- ``ONNXTRAIN_LOG_LEVEL=VERBOSE|INFO|WARNING|ERROR|FATAL`` sets the default log level.
+- ``ONNXTRAIN_VERIFY=1`` runs the first batch of every new graph through PyTorch eager too and compares
+  outputs and gradients; on a difference the module falls back to PyTorch, naming the first one.
+  ``DebugOptions(verify=...)`` overrides it.
+- ``ONNXTRAIN_LOG_LEVEL=VERBOSE|INFO|WARNING|ERROR|FATAL`` sets the default log level: onnxtrain's
+  messages at that level go to stderr (:mod:`onnxtrain.utils.logs`), and VERBOSE also lets the exporter's
+  and onnxruntime's own output through.
 - ``ONNXTRAIN_BACKWARD_STAGES=N`` (default 4; read when training graphs are built) runs each backward
   graph as up to N onnxruntime sessions in turn, so that the forward's stashed activations are freed as
   backward goes instead of when it ends. 1 runs it whole. A stage is cut only where it frees at least
@@ -24,8 +29,10 @@ from pathlib import Path
 
 from onnxtrain.passes.recompute import Recompute
 from onnxtrain.passes.recompute import from_env as recompute_from_env
+from onnxtrain.utils.logs import set_level as set_log_level
 
 FALLBACK_ENV = "ONNXTRAIN_FALLBACK"
+VERIFY_ENV = "ONNXTRAIN_VERIFY"
 LOG_LEVEL_ENV = "ONNXTRAIN_LOG_LEVEL"
 BACKWARD_STAGES_ENV = "ONNXTRAIN_BACKWARD_STAGES"
 DEFAULT_BACKWARD_STAGES = 4
@@ -45,21 +52,31 @@ class LogLevel(enum.IntEnum):
 
     @property
     def python_level(self) -> int:
+        """The matching level of Python's ``logging`` (VERBOSE is DEBUG)."""
         return {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR, 4: logging.CRITICAL}[
             int(self)
         ]
 
 
-def _env_fallback() -> bool:
-    raw = os.environ.get(FALLBACK_ENV)
+def _env_switch(name: str, default: bool, meaning: str) -> bool:
+    raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
-        return True
+        return default
     value = raw.strip().lower()
     if value in _FALSE:
         return False
     if value in _TRUE:
         return True
-    raise ValueError(f"{FALLBACK_ENV}={raw!r}: use 1 (fall back to PyTorch, the default) or 0 (raise)")
+    raise ValueError(f"{name}={raw!r}: {meaning}")
+
+
+def _env_fallback() -> bool:
+    return _env_switch(FALLBACK_ENV, True, "use 1 (fall back to PyTorch, the default) or 0 (raise)")
+
+
+def _env_verify() -> bool:
+    return _env_switch(VERIFY_ENV, False, "use 1 (check the first batch of each graph against eager) or 0 "
+                                          "(the default)")
 
 
 def _env_log_level() -> LogLevel:
@@ -93,7 +110,9 @@ class DebugOptions:
     ``save_onnx=True`` writes, for every input schema, the exported graph and the inference, training
     (forward + gradients), forward and backward graphs to ``save_path`` as
     ``<onnx_prefix>_<schema>_<kind>.onnx``. ``fallback`` (default: ``$ONNXTRAIN_FALLBACK``, else on) runs the
-    module in PyTorch, with a warning, when it cannot be exported or differentiated.
+    module in PyTorch, with a warning, when it cannot be exported or differentiated. ``verify`` (default:
+    ``$ONNXTRAIN_VERIFY``, else off) checks the first batch of every new graph against PyTorch eager
+    (outputs and gradients) and falls back, naming the first difference, where they disagree.
 
     ``recompute``: how much of the forward values backward reads is kept in memory and how much is
     recomputed in backward (:mod:`onnxtrain.passes.recompute`): None for ``$ORTMODULE_MEMORY_OPT_LEVEL`` /
@@ -107,16 +126,20 @@ class DebugOptions:
     onnx_prefix: str = ""
     save_path: str = ""
     fallback: bool | None = None
+    verify: bool | None = None
     recompute: float | int | str | Recompute | None = None
 
     def __post_init__(self):
         if isinstance(self.log_level, str):
             self.log_level = LogLevel[self.log_level.upper()]
         self.log_level = LogLevel(self.log_level)
+        set_log_level(self.log_level.python_level)  # prints on stderr without the user configuring logging
         if self.save_onnx and not self.onnx_prefix:
             raise ValueError("DebugOptions(save_onnx=True) needs an onnx_prefix naming the saved files")
         if self.fallback is None:
             self.fallback = _env_fallback()
+        if self.verify is None:
+            self.verify = _env_verify()
         if self.recompute is not None:
             self.recompute = Recompute.of(self.recompute)  # a bad value fails here, not at the first step
 
@@ -128,4 +151,5 @@ class DebugOptions:
 
     @property
     def save_dir(self) -> Path:
+        """The folder ``save_onnx`` writes to (``save_path``, default the current folder)."""
         return Path(self.save_path or ".")

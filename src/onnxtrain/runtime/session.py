@@ -13,6 +13,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from onnxtrain.runtime import backends
 from onnxtrain.runtime.dlpack import to_ortvalue, to_torch
 from onnxtrain.utils.ort_options import for_training
 
@@ -52,12 +53,18 @@ def session_options(threads: int | None = None, log_severity: int = 3,
 class TorchSession:
     """Run an ONNX model on torch tensors: ``outputs = session.run(inputs)`` in graph input order."""
 
-    def __init__(self, model: onnx.ModelProto, device: torch.device, options: ort.SessionOptions | None = None):
+    def __init__(self, model: onnx.ModelProto, device: torch.device, options: ort.SessionOptions | None = None,
+                 backend: str = "onnxruntime", precision: str = "fp32"):
+        """``backend`` and ``precision`` as :func:`onnxtrain.runtime.backends.resolve` gives them: OpenVINO
+        reads the tensors' memory through the same OrtValues, and its outputs reach torch by DLPack."""
         self.device = torch.device(device)
-        self._session = ort.InferenceSession(
-            model.SerializeToString(), sess_options=options or session_options(),
-            providers=providers_for(self.device),
-        )
+        self.backend, self.precision = backend, precision
+        options = options or session_options()
+        if backend == "onnxruntime" and precision == "fp32":
+            self._session = ort.InferenceSession(model.SerializeToString(), sess_options=options,
+                                                 providers=providers_for(self.device))
+        else:
+            self._session = backends.create_session(model.SerializeToString(), backend, precision, options)
         self.input_names = [i.name for i in self._session.get_inputs()]
         self.output_names = [o.name for o in self._session.get_outputs()]
         self._ort_device = "cuda" if self.device.type == "cuda" else "cpu"

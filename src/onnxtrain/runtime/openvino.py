@@ -1,0 +1,198 @@
+"""OpenVINO behind onnxruntime's session interface (the part :mod:`onnxtrain.runtime.backends` names).
+
+``OpenVINOSession(model, precision="bf16")`` reads an ONNX model with OpenVINO's ONNX frontend and compiles it
+for the CPU; with "bf16" the ``INFERENCE_PRECISION_HINT`` runs the float32 graph's products in bfloat16.
+Memory: every bound input, and every output bound to a preallocated array or OrtValue, is an ``ov.Tensor``
+sharing that memory (no copy in or out: parameters and gradient vectors are bound once); an output left to
+the runtime (``bind_output(name, "cpu")``) is copied out of the request after each run, since the request
+reuses its buffers. OpenVINO is imported on first use; torch and onnx are not imported at all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from types import SimpleNamespace
+
+import numpy as np
+
+_NUMPY_OF = {  # onnxruntime's type strings, which the callers use
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16, "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_,
+}
+_ORT_TYPE_OF_OV = {"f32": "tensor(float)", "f64": "tensor(double)", "f16": "tensor(float16)",
+                   "bf16": "tensor(bfloat16)", "i64": "tensor(int64)", "i32": "tensor(int32)",
+                   "i16": "tensor(int16)", "i8": "tensor(int8)", "u8": "tensor(uint8)", "boolean": "tensor(bool)"}
+_ORT_TYPE_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF.items()}
+_HINTS = {"fp32": "f32", "bf16": "bf16"}
+
+
+@functools.cache
+def core():
+    """One ``openvino.Core`` per process (it holds the loaded plugins)."""
+    import openvino as ov
+
+    return ov.Core()
+
+
+class OpenVINOSession:
+    """A compiled OpenVINO model with ``get_inputs``/``get_outputs``/``get_modelmeta``/``io_binding``/
+    ``run_with_iobinding`` as onnxruntime's InferenceSession has them."""
+
+    def __init__(self, model, precision: str = "fp32", threads: int | None = None):
+        if precision not in _HINTS:
+            raise ValueError(f"OpenVINO runs precision 'fp32' or 'bf16', not {precision!r}")
+        if isinstance(model, (str, os.PathLike)):
+            model = str(model)
+        try:
+            self._model = core().read_model(model)
+        except Exception as exc:
+            raise ValueError(f"OpenVINO cannot read the model: {exc}") from exc
+        self._config = {"INFERENCE_PRECISION_HINT": _HINTS[precision], "PERFORMANCE_HINT": "LATENCY",
+                        "NUM_STREAMS": 1}
+        if threads:
+            self._config["INFERENCE_NUM_THREADS"] = int(threads)
+        self.precision = precision
+        self._inputs = [_port(p) for p in self._model.inputs]
+        self._outputs = [_port(p) for p in self._model.outputs]
+        self._compiled = None
+        if all(not p.get_partial_shape().rank.is_dynamic for p in self._model.inputs):
+            self._compile()
+        # else: OpenVINO's CPU plugin needs every input's rank; compiled on the first run, from its inputs
+
+    def _compile(self, arrays: dict[str, np.ndarray] | None = None):
+        if self._compiled is None:
+            if arrays is not None:
+                import openvino as ov
+
+                self._model.reshape({p.get_any_name(): ov.PartialShape.dynamic(arrays[p.get_any_name()].ndim)
+                                     for p in self._model.inputs if p.get_partial_shape().rank.is_dynamic})
+            try:
+                self._compiled = core().compile_model(self._model, "CPU", self._config)
+            except Exception as exc:
+                raise ValueError(f"OpenVINO cannot compile the model for the CPU: {exc}") from exc
+        return self._compiled
+
+    def get_inputs(self) -> list:
+        return list(self._inputs)
+
+    def get_outputs(self) -> list:
+        return list(self._outputs)
+
+    def get_modelmeta(self):
+        """The ONNX model's ``metadata_props`` (OpenVINO keeps them in its ``framework`` runtime info)."""
+        info = self._model.get_rt_info()
+        framework = info["framework"] if "framework" in list(info.keys()) else {}
+        meta = {key: value.astype(str) for key, value in framework.items()}
+        return SimpleNamespace(custom_metadata_map=meta)
+
+    def io_binding(self) -> OpenVINOBinding:
+        return OpenVINOBinding(self)
+
+    def run_with_iobinding(self, binding: OpenVINOBinding) -> None:
+        binding._run()
+
+    def run(self, output_names, feeds: dict) -> list[np.ndarray]:
+        """As ``InferenceSession.run``: ``feeds`` by name, the outputs (all for None) as new arrays."""
+        binding = self.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, np.asarray(value))
+        for name in output_names or [o.name for o in self._outputs]:
+            binding.bind_output(name, "cpu")
+        binding._run()
+        return [v.numpy() for v in binding.get_outputs()]
+
+
+class OpenVINOBinding:
+    """Inputs and outputs of one OpenVINO infer request, bound as onnxruntime's IOBinding binds them."""
+
+    def __init__(self, session: OpenVINOSession):
+        self._session = session
+        self._request = None  # made on the first run (the model may be compiled then)
+        self._tensors: dict[str, object] = {}  # name -> ov.Tensor sharing the bound memory
+        self._keep: dict[str, object] = {}  # what the bound ov.Tensors read or write: kept alive
+        self._outputs: dict[str, object] = {}  # name -> the bound OrtValue, or None: copied after a run
+        self._results: dict[str, _Output] = {}
+
+    def bind_cpu_input(self, name: str, array: np.ndarray) -> None:
+        self._set(name, np.ascontiguousarray(array))
+
+    def bind_ortvalue_input(self, name: str, value) -> None:
+        self._set(name, _array_of(value), value)
+
+    def bind_output(self, name: str, device_type: str = "cpu", device_id: int = 0) -> None:
+        if device_type != "cpu":
+            raise ValueError(f"OpenVINO runs on the CPU here; cannot bind output {name!r} on {device_type!r}")
+        self._outputs[name] = None
+
+    def bind_ortvalue_output(self, name: str, value) -> None:
+        self._set(name, _array_of(value), value)
+        self._outputs[name] = value
+
+    def get_outputs(self) -> list:
+        return [value if value is not None else self._results[name] for name, value in self._outputs.items()]
+
+    def _set(self, name: str, array: np.ndarray, owner=None) -> None:
+        import openvino as ov
+
+        self._keep[name] = (array, owner)
+        self._tensors[name] = ov.Tensor(array, shared_memory=True)
+
+    def _run(self) -> None:
+        if self._request is None:
+            arrays = {name: kept[0] for name, kept in self._keep.items()}
+            self._request = self._session._compile(arrays).create_infer_request()
+        for name, tensor in self._tensors.items():
+            try:
+                self._request.set_tensor(name, tensor)
+            except Exception as exc:
+                raise ValueError(f"OpenVINO cannot bind {name!r} (shape {list(tensor.shape)}, "
+                                 f"{tensor.element_type}): {exc}") from exc
+        self._request.infer()
+        self._results = {name: _Output(np.array(self._request.get_tensor(name).data, copy=True))
+                         for name, value in self._outputs.items() if value is None}
+
+
+class _Output:
+    """A result read as onnxruntime's OrtValue is read: ``numpy()``, ``data_type()``, ``shape()``, DLPack."""
+
+    def __init__(self, array: np.ndarray):
+        self._array = array
+
+    def numpy(self) -> np.ndarray:
+        return self._array
+
+    def data_type(self) -> str:
+        return _ORT_TYPE_OF_NUMPY[self._array.dtype]
+
+    def shape(self) -> list[int]:
+        return list(self._array.shape)
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+
+def _port(port):
+    dims = [d.get_length() if d.is_static else None for d in port.get_partial_shape()]
+    type_name = port.get_element_type().get_type_name()
+    return SimpleNamespace(name=port.get_any_name(), type=_ORT_TYPE_OF_OV.get(type_name, type_name), shape=dims)
+
+
+def _array_of(value) -> np.ndarray:
+    """A numpy view of a CPU OrtValue's memory (or the array itself)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if value.device_name().lower() != "cpu":
+        raise ValueError("OpenVINO runs on the CPU here; the OrtValue is on " + value.device_name())
+    dtype = np.dtype(_NUMPY_OF[value.data_type()])
+    shape = tuple(value.shape())
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size == 0:
+        return np.empty(shape, dtype)
+    buffer = (ctypes.c_byte * size).from_address(value.data_ptr())
+    return np.frombuffer(buffer, dtype=dtype).reshape(shape)

@@ -1,0 +1,151 @@
+"""ORTModule never silently trains a different function than PyTorch: what it cannot run exactly, it runs in
+PyTorch, with the reason decided before training starts (issue 15)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from onnxtrain import DebugOptions, ORTModule
+from onnxtrain.autodiff.rules import REGISTRY
+
+
+class ReturnsNothingTensor(torch.nn.Module):
+    """A forward whose result holds no tensor: ``kind`` None, a string, or a tuple of both."""
+
+    def __init__(self, result):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+        self.result = result
+
+    def forward(self, x):
+        self.fc(x)
+        return self.result
+
+
+@pytest.mark.parametrize("result", [None, "done", (None, "done")], ids=["none", "str", "tuple"])
+def test_a_forward_without_tensor_outputs_falls_back_and_returns_its_value(monkeypatch, result):
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    model = ORTModule(ReturnsNothingTensor(result))
+    with pytest.warns(UserWarning, match="returns no tensor"):
+        assert model(torch.randn(2, 3)) == result
+    assert "returns no tensor" in model.fallback_reason
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert model(torch.randn(2, 3)) == result  # no second export, no second warning
+
+
+class Branches(torch.nn.Module):
+    """Data-dependent control flow: torch.export refuses it, and a TorchScript trace would freeze the branch
+    the first batch takes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3, bias=False)  # odd in x: -x takes the other branch
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y if y.sum() > 0 else -y
+
+
+def test_a_data_dependent_branch_falls_back_and_trains_the_branch_each_batch_takes(monkeypatch):
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    torch.manual_seed(0)
+    reference = Branches()
+    model = ORTModule(Branches())
+    model.module.load_state_dict(reference.state_dict())
+    x = torch.randn(4, 3)
+    if reference(x).sum() <= 0:
+        x = -x
+    with pytest.warns(UserWarning, match="trace depends on the example input.*Python boolean"):
+        model(x).sum().backward()
+    assert "TraceDependsOnExample" in model.fallback_reason and "\n" not in model.fallback_reason
+    reference(x).sum().backward()
+    other = -x  # the other branch
+    out, want = model(other), reference(other)
+    torch.testing.assert_close(out, want)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    torch.testing.assert_close(model.module.fc.weight.grad, reference.fc.weight.grad)
+
+
+CALLS = {"count": 0}
+
+
+class Counter(torch.nn.Module):
+    """Scales by a Python number that changes on every call (kept outside the module, which torch.export
+    restores after tracing): the export freezes the value it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        CALLS["count"] += 1
+        return self.fc(x) * CALLS["count"]
+
+
+def _tanh_mlp():
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+
+
+def test_verify_passes_a_matching_model_and_leaves_gradients_as_one_step_makes_them():
+    torch.manual_seed(0)
+    reference = _tanh_mlp()
+    model = ORTModule(_tanh_mlp(), DebugOptions(verify=True))
+    model.module.load_state_dict(reference.state_dict())
+    x = torch.randn(5, 3, requires_grad=True)
+    model(x).square().sum().backward()
+    assert model.fallback_reason is None
+    assert model._cache  # ran in onnxruntime
+    reference(x).square().sum().backward()
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, msg=name)  # not doubled by the check
+
+
+def test_verify_falls_back_naming_the_first_wrong_gradient(monkeypatch):
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    lookup = REGISTRY.lookup
+
+    def wrong_tanh(domain, op_type, opset):  # a gradient rule with a bug: dy instead of dy * (1 - y^2)
+        rule = lookup(domain, op_type, opset)
+        if op_type != "Tanh":
+            return rule
+        return dataclasses.replace(rule, fn=lambda g: (g.dy[0],))
+
+    monkeypatch.setattr(REGISTRY, "lookup", wrong_tanh)
+    torch.manual_seed(0)
+    reference = _tanh_mlp()
+    model = ORTModule(_tanh_mlp(), DebugOptions(verify=True))
+    model.module.load_state_dict(reference.state_dict())
+    x = torch.randn(5, 3)
+    with pytest.warns(UserWarning, match=r"VerificationError: verify: gradient of 0.weight: off by"):
+        model(x).sum().backward()
+    reference(x).sum().backward()
+    torch.testing.assert_close(model.module[0].weight.grad, reference[0].weight.grad)  # trained in PyTorch
+
+
+def test_verify_from_the_environment_catches_a_frozen_python_value(monkeypatch):
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    monkeypatch.setenv("ONNXTRAIN_VERIFY", "1")
+    model = ORTModule(Counter())
+    assert model.debug_options.verify
+    with pytest.warns(UserWarning, match=r"verify: output output: off by"):
+        model(torch.randn(4, 3))
+    monkeypatch.setenv("ONNXTRAIN_VERIFY", "maybe")
+    with pytest.raises(ValueError, match="ONNXTRAIN_VERIFY='maybe'"):
+        DebugOptions()
+
+
+def test_an_exporter_without_the_stop_gradient_hook_is_not_used_silently(monkeypatch):
+    from torch.onnx._internal.exporter import _fx_passes
+
+    from onnxtrain.capture import capture
+
+    monkeypatch.delattr(_fx_passes, "decompose_with_registry")  # as a torch version that renamed it would
+    with pytest.warns(UserWarning, match="lacks the hook where onnxtrain marks detach"):
+        captured = capture(torch.nn.Linear(3, 2), (torch.randn(4, 3),), {})
+    assert captured.exporter == "torchscript"  # which says, in that warning, that it ignores detach()
