@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 
 from onnxtrain.autodiff import gradient_model
 from onnxtrain.passes import split_forward_backward
-from onnxtrain.passes.recompute import Recompute, RecomputePass, from_env, parse_budget, value_bytes
+from onnxtrain.passes.recompute import KINDS, Recompute, RecomputePass, from_env, parse_budget, value_bytes
 
 RNG = np.random.default_rng(0)
 BATCH, HIDDEN = 6, 8
@@ -100,7 +100,7 @@ def test_smaller_budgets_stash_fewer_bytes_with_the_same_gradients():
     dims = {"batch": BATCH}
     stashed = []
     for budget in (1.0, 0.75, 0.5, 0.25, 0.0):
-        plan, split = _recompute_and_split(Recompute(budget=budget), inputs, dy)
+        plan, split = _recompute_and_split(Recompute(budget=budget, kinds=KINDS), inputs, dy)
         stashed.append(_stashed_bytes(split, dims))
         kept = plan.stashed_bytes - plan.saved_bytes
         assert budget == 0.0 or kept <= budget * plan.stashed_bytes
@@ -112,14 +112,15 @@ def test_smaller_budgets_stash_fewer_bytes_with_the_same_gradients():
 
 def test_cheap_kinds_go_first_and_matmuls_only_when_allowed():
     inputs, dy = _feeds()
-    half, _ = _recompute_and_split(Recompute(budget=0.5), inputs, dy)
+    half, _ = _recompute_and_split(Recompute(budget=0.5, kinds=KINDS), inputs, dy)
     on = [c for c in half.candidates if c.on]
     off = [c for c in half.candidates if not c.on and c.saved]
     order = ("pointwise", "transcendental", "matmul")
     assert on and max(order.index(c.kind) for c in on) <= min((order.index(c.kind) for c in off), default=2)
     no_matmul, _ = _recompute_and_split(Recompute(budget=0.0, kinds=("pointwise", "transcendental")), inputs, dy)
     assert not any(c.on and c.kind == "matmul" for c in no_matmul.candidates)
-    everything, split = _recompute_and_split(Recompute(budget=0.0), inputs, dy)
+    assert Recompute(budget=0.0) == Recompute(budget=0.0, kinds=("pointwise", "transcendental"))
+    everything, split = _recompute_and_split(Recompute(budget=0.0, kinds=KINDS), inputs, dy)
     assert everything.saved_bytes >= no_matmul.saved_bytes
 
 
@@ -156,7 +157,7 @@ def test_knobs_parse_and_bad_values_say_what_to_use(tmp_path):
     with pytest.raises(ValueError, match="fraction"):
         Recompute(budget=1.5)
     assert from_env({}) is None
-    assert from_env({"ORTMODULE_MEMORY_OPT_LEVEL": "2"}) == Recompute(budget=0.0)
+    assert from_env({"ORTMODULE_MEMORY_OPT_LEVEL": "2"}) == Recompute(budget=0.0, kinds=KINDS)
     assert from_env({"ORTMODULE_MEMORY_OPT_LEVEL": "1"}).kinds == ("pointwise", "transcendental")
     assert from_env({"ORTMODULE_MEMORY_OPT_CONFIG": "Mul+Erf+:1:-1,Tanh:1:2"}).patterns == {"Mul+Erf+": -1, "Tanh+": 2}
     config = tmp_path / "mem.json"

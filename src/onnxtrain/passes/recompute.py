@@ -22,7 +22,8 @@ Plans (:class:`Recompute`):
   over memory saves a whole activation; e.g. the ``Where(IsNaN(p), 0, p)`` after an attention softmax,
   ``0.5 * x`` and ``1 + t`` in GPT-2's GELU). What the split did before this pass.
 - ``Recompute(budget=0.5)``: keep at most half the bytes stashed without recompute; ``budget=0`` as little
-  as the kinds allowed can make it; ``budget=2**30``: at most 1 GiB. ``kinds`` limits the kinds tried.
+  as the kinds allowed can make it; ``budget=2**30``: at most 1 GiB. ``kinds`` names the kinds tried:
+  by default pointwise and transcendental; ``kinds=KINDS`` adds matrix products.
 - ``Recompute(patterns={"Add+Gelu+": -1})``: the subgraphs of these patterns (op types joined by ``+``, as
   ONNX Runtime Training's ``ORTMODULE_MEMORY_OPT_CONFIG`` named them), all of them or the first ``n``.
 
@@ -72,6 +73,9 @@ TRANSCENDENTAL = frozenset({
 })
 MATMUL = frozenset({"MatMul", "Gemm"})
 KINDS = ("pointwise", "transcendental", "matmul")
+# Matrix products only on request: on BERT-small at 4x batch, the plans that recomputed them raised the
+# peak RSS (1075 MB at budget 0.5 -> 1127 MB at 0.25 and 0.0) and the step time (BENCHMARKS.md).
+DEFAULT_KINDS = ("pointwise", "transcendental")
 _OPS = {"pointwise": POINTWISE, "transcendental": TRANSCENDENTAL, "matmul": MATMUL}
 _ELEMENT_COST = {"pointwise": 1.0, "transcendental": 4.0}
 SHAPE_OPS = frozenset({"Shape", "Size"})  # the split moves these into forward: their readers stay
@@ -85,7 +89,7 @@ class Recompute:
     without recompute, or a number of bytes (an int above 1); None: the default plan, unless ``patterns``."""
 
     budget: float | int | None = None
-    kinds: tuple[str, ...] = KINDS
+    kinds: tuple[str, ...] = DEFAULT_KINDS
     patterns: Mapping[str, int] = field(default_factory=dict)
     # Sizes of symbolic dims, for the bytes each candidate saves; ORTModule adds those of the actual inputs.
     dims: Mapping[str, int] = field(default_factory=dict)
@@ -147,7 +151,7 @@ def from_env(environ: Mapping[str, str] = os.environ) -> Recompute | None:
     if level_raw == "1":
         return Recompute(budget=0.0, kinds=("pointwise", "transcendental"), patterns=patterns)
     if level_raw == "2":
-        return Recompute(budget=0.0, patterns=patterns)
+        return Recompute(budget=0.0, kinds=KINDS, patterns=patterns)
     return Recompute(patterns=patterns)
 
 
