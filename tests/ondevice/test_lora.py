@@ -1,0 +1,163 @@
+"""LoRA artifacts from a PEFT-wrapped tiny Llama (from a config, random weights): only the adapters train
+and sit in the per-step state; losses match PEFT + PyTorch over 20 steps; an int8 base stays int8, lets
+the gradient through to the adapters and keeps the loss curve within 2% of the float32 base's."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnx
+import peft  # in the [test] extra
+import pytest
+import torch
+
+from onnxtrain.api import CheckpointState, Module, Optimizer
+from onnxtrain.ondevice.lora import generate_lora_artifacts, quantize_base_int8, quantize_rows_int8, split_parameters
+from tests.ondevice.helpers import assert_losses_close
+
+VOCAB, STEPS, LR = 128, 20, 1e-2
+Q_PROJ = "model.base_model.model.model.layers.0.self_attn.q_proj"  # PEFT's names under WithLoss
+
+
+class WithLoss(torch.nn.Module):
+    """The causal LM's next-token cross-entropy as the model's only output (``loss=None`` artifacts)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        logits = self.model(input_ids=input_ids).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _batches(n=STEPS, seed=0):
+    """Sequences that count up by a per-row stride: the next token is learnable."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        start, stride = rng.integers(0, VOCAB, (4, 1)), rng.integers(1, 4, (4, 1))
+        seq = (start + stride * np.arange(17)) % VOCAB
+        out.append((seq[:, :-1].astype(np.int64), seq[:, 1:].astype(np.int64)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def peft_llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = WithLoss(peft.get_peft_model(LlamaForCausalLM(config), lora)).eval()
+    with torch.no_grad():  # PEFT starts B at zero; a nonzero B makes the first steps reach A too
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    ids, labels = (torch.from_numpy(a) for a in _batches(1)[0])
+    path = tmp_path_factory.mktemp("peft_llama") / "model.onnx"
+    program = torch.onnx.export(copy.deepcopy(model), (ids, labels), dynamo=True, input_names=["input_ids", "labels"],
+                                output_names=["loss"], optimize=False, verbose=False,
+                                dynamic_shapes=({0: "batch", 1: "seq"}, {0: "batch", 1: "seq"}))
+    program.save(str(path))
+    return model, path
+
+
+def _train(directory):
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(directory / "training_model.onnx", state, directory / "eval_model.onnx")
+    optimizer = Optimizer(directory / "optimizer_model.onnx", module)
+    optimizer.set_learning_rate(LR)
+    losses = []
+    for x, y in _batches():
+        losses.append(float(module(x, y)))
+        optimizer.step()
+        module.lazy_reset_grad()
+    return state, module, losses
+
+
+@pytest.fixture(scope="module")
+def float_run(peft_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_f32")
+    generate_lora_artifacts(peft_llama[1], loss=None, optimizer="adamw", artifact_directory=out)
+    return out, *_train(out)
+
+
+def test_adapters_alone_train_and_match_peft(peft_llama, float_run):
+    model, _ = peft_llama
+    out, state, module, losses = float_run
+    adapters = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert adapters and all("lora_" in n for n in adapters)
+    assert [n for n in state.parameters if state.parameters[n].requires_grad] == adapters
+    assert module.get_parameters_size(trainable_only=True) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = [n for n in state.parameters if not state.parameters[n].requires_grad]
+    assert f"{Q_PROJ}.base_layer.weight" in frozen
+    # the models hold no weights: the base is in the checkpoint once
+    assert all(not onnx.load(out / f, load_external_data=False).graph.initializer or
+               max(t.ByteSize() for t in onnx.load(out / f).graph.initializer) < 4096
+               for f in ("training_model.onnx", "eval_model.onnx"))
+
+    reference = copy.deepcopy(model).train()
+    optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)  # wd 0.01 both
+    ref_losses = []
+    for x, y in _batches():
+        optimizer.zero_grad()
+        loss = reference(torch.from_numpy(x), torch.from_numpy(y))
+        loss.backward()
+        optimizer.step()
+        ref_losses.append(loss.item())
+    assert ref_losses[-1] < ref_losses[0]
+    assert_losses_close(losses, ref_losses, rtol=1e-4)
+    for name, p in reference.named_parameters():
+        if p.requires_grad:
+            np.testing.assert_allclose(state.parameters[name].data, p.detach().numpy(), rtol=1e-3, atol=1e-5)
+
+
+def test_int8_base_trains_the_adapters_close_to_float32(peft_llama, float_run, tmp_path):
+    _, f32_state, _, f32_losses = float_run
+    generate_lora_artifacts(peft_llama[1], base="int8", loss=None, optimizer="adamw", artifact_directory=tmp_path)
+    before = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    q_name = f"{Q_PROJ}.base_layer.weight"
+    q_int8 = before.parameters[f"{q_name}.int8"].data
+    assert q_int8.dtype == np.int8 and not before.parameters[f"{q_name}.int8"].requires_grad
+    state, _, losses = _train(tmp_path)
+    rel = np.abs(np.array(losses) - f32_losses) / np.array(f32_losses)
+    assert rel.max() < 0.02, rel
+    assert losses[-1] < losses[0]
+    np.testing.assert_array_equal(state.parameters[f"{q_name}.int8"].data, q_int8)  # the base never moves
+    adapter = f"{Q_PROJ}.lora_A.default.weight"
+    start = before.parameters[adapter].data
+    assert not np.allclose(state.parameters[adapter].data, start)  # the gradient reached the adapter
+
+
+def test_int8_quantization_pass_against_numpy(peft_llama):
+    """onnxruntime runs the model before and after the pass: each quantized matrix is within half a step
+    of its row's scale, and the loss moves by less than 1%."""
+    import onnxruntime as ort
+
+    proto = onnx.load(peft_llama[1])
+    adapters, base = split_parameters(proto)
+    quantized, names = quantize_base_int8(proto, base)
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+    for name in base:
+        if weights[name].ndim == 2:
+            q, scale = quantize_rows_int8(weights[name])
+            assert np.abs(q * scale[:, None] - weights[name]).max() <= scale.max() / 2 + 1e-7
+            assert f"{name}.int8" in names and name not in names
+        else:
+            assert name in names
+    x, y = _batches(1)[0]
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"input_ids": x, "labels": y})[0]
+    assert abs(run(quantized) - run(proto)) < 0.01 * abs(run(proto))
+
+
+def test_lora_errors(peft_llama, mlp_onnx, tmp_path):
+    with pytest.raises(ValueError, match="no LoRA adapter initializers"):
+        generate_lora_artifacts(mlp_onnx[1], loss="crossentropy", artifact_directory=tmp_path)
+    with pytest.raises(TypeError, match="chooses requires_grad itself"):
+        generate_lora_artifacts(peft_llama[1], requires_grad=["x"], artifact_directory=tmp_path)
+    with pytest.raises(ValueError, match="base must be one of"):
+        generate_lora_artifacts(peft_llama[1], base="int3", artifact_directory=tmp_path)
