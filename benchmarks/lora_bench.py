@@ -98,7 +98,16 @@ def worker(variant: str, directory: Path, steps: int, threads: int) -> dict:
             times.append(time.perf_counter() - t)
             losses.append(float(loss))
     return {"median_ms": 1e3 * statistics.median(times[1:]), "first_ms": 1e3 * times[0], "losses": losses,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": peak_rss_mb()}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS (VmHWM). Not getrusage's ru_maxrss: Linux carries that over exec, so a
+    worker started by the parent would report the parent's peak if higher."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def prepare(directory: Path) -> dict:

@@ -2,6 +2,7 @@
 
     python benchmarks/ortmodule_bench.py                       # everything (a few minutes)
     python benchmarks/ortmodule_bench.py --workloads bert --modes eager ortmodule --steps 30
+    python benchmarks/ortmodule_bench.py --modes eager-bf16 compile-bf16 ortmodule-bf16   # torch.autocast bf16
 
 Each (workload, mode) runs in its own process, one after another, so that peak RSS and first-step times
 are not polluted by the others. A step is forward + backward + AdamW step, float32, 2 threads. Printed:
@@ -23,6 +24,9 @@ from ondevice_bench import peak_rss_mb  # VmHWM: ru_maxrss would count the drive
 WORKLOADS = ("mlp", "bert", "gpt2", "llama")
 DEFAULT_WORKLOADS = ("mlp", "bert", "gpt2")  # the issue's; llama on request
 MODES = ("eager", "compile", "ortmodule")
+# The same under torch.autocast("cpu", dtype=torch.bfloat16); ORTModule runs it on OpenVINO's bf16
+# (onnxtrain.runtime.backends). Their ratios are against eager-bf16 and compile-bf16.
+BF16_MODES = tuple(f"{m}-bf16" for m in MODES)
 DESCRIPTIONS = {
     "mlp": "MLP 784-1024-1024-10, ReLU, batch 128",
     "bert": "BertForSequenceClassification hidden 256, 4 layers, 4 heads, seq 128, batch 8",
@@ -79,6 +83,7 @@ def make_workload(name: str, scale: int = 1):
 def wrap(model, mode: str):
     import torch
 
+    mode = mode.removesuffix("-bf16")
     if mode == "eager":
         return model
     if mode == "compile":
@@ -97,7 +102,7 @@ def make_optimizer(params, mode: str, kind: str):
 
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=1e-4)
-    if mode == "ortmodule":
+    if mode.startswith("ortmodule"):
         from onnxtrain.optim import FusedAdam
 
         return FusedAdam(params, lr=1e-4, eps=1e-8, weight_decay=0.01)
@@ -113,11 +118,13 @@ def worker(workload: str, mode: str, steps: int, warmup: int, threads: int, opti
     model.train()
     runner = wrap(model, mode)
     optimizer = make_optimizer(model.parameters(), mode, optimizer_kind)
+    bf16 = mode.endswith("-bf16")
 
     def step():
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(runner)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_fn(runner)
         loss.backward()
         optimizer.step()
         return time.perf_counter() - start, loss.item()
@@ -128,7 +135,7 @@ def worker(workload: str, mode: str, steps: int, warmup: int, threads: int, opti
     times: list[float] = []
     while len(times) < steps or sum(times) < min_seconds:  # short steps: more samples for a stable median
         times.append(step()[0])
-    if mode == "ortmodule" and runner.fallback_reason is not None:
+    if mode.startswith("ortmodule") and runner.fallback_reason is not None:
         raise RuntimeError(f"ORTModule fell back to PyTorch: {runner.fallback_reason}")
     peak = peak_rss_mb()
     return {"workload": workload, "mode": mode, "first_s": first, "median_s": statistics.median(times),
@@ -152,32 +159,34 @@ def run_one(workload: str, mode: str, args) -> dict:
 
 def ratios(r: dict, by_key: dict) -> tuple[str, str]:
     """``r``'s speed against eager and torch.compile of its workload, as printed ("-" where not run)."""
-    eager = by_key.get((r["workload"], "eager"), {}).get("median_s")
-    compiled = by_key.get((r["workload"], "compile"), {}).get("median_s")
+    suffix = "-bf16" if r["mode"].endswith("-bf16") else ""
+    eager = by_key.get((r["workload"], "eager" + suffix), {}).get("median_s")
+    compiled = by_key.get((r["workload"], "compile" + suffix), {}).get("median_s")
     return (f"{eager / r['median_s']:.2f}x" if eager else "-",
             f"{compiled / r['median_s']:.2f}x" if compiled else "-")
 
 
 def report(results: list[dict]) -> None:
     by_key = {(r["workload"], r["mode"]): r for r in results}
-    header = f"{'workload':9} {'mode':10} {'first step':>11} {'median':>9} {'min':>9} {'vs eager':>9} " \
+    header = f"{'workload':9} {'mode':14} {'first step':>11} {'median':>9} {'min':>9} {'vs eager':>9} " \
              f"{'vs compile':>10} {'peak RSS':>9}"
     print(header)
     print("-" * len(header))
     for r in results:
         if "error" in r:
-            print(f"{r['workload']:9} {r['mode']:10} failed: {r['error']}")
+            print(f"{r['workload']:9} {r['mode']:14} failed: {r['error']}")
             continue
         vs_eager, vs_compile = ratios(r, by_key)
-        print(f"{r['workload']:9} {r['mode']:10} {r['first_s']:10.2f}s {r['median_s'] * 1e3:7.1f}ms "
+        print(f"{r['workload']:9} {r['mode']:14} {r['first_s']:10.2f}s {r['median_s'] * 1e3:7.1f}ms "
               f"{r['min_s'] * 1e3:7.1f}ms {vs_eager:>9} {vs_compile:>10} {r['peak_rss_mb']:7.0f}MB")
-    print("\nratios: eager (or compile) median step time / this median step time; >1 is faster")
+    print("\nratios: eager (or compile) median step time / this median step time; >1 is faster (bf16 rows: "
+          "against eager-bf16 and compile-bf16)")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS), choices=WORKLOADS)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + BF16_MODES)
     parser.add_argument("--steps", type=int, default=20, help="timed steps after warm-up (at least 20)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)

@@ -38,10 +38,13 @@ if ! "$NEWEST_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__
     rm -rf "$NEWEST_VENV"
     python -m venv "$NEWEST_VENV"
 fi
-"$NEWEST_VENV/bin/python" -m pip install -q "torch==$NEWEST_TORCH" -e ".[hf]" "pytest>=8" "psutil>=5"
+"$NEWEST_VENV/bin/python" -m pip install -q "torch==$NEWEST_TORCH" -e ".[hf]" "pytest>=8" "psutil>=5" "expecttest>=0.2"
 NEWEST_TESTS=(tests/ortmodule/test_parity.py tests/ortmodule/test_trust.py tests/ortmodule/test_moe.py)
 if [ -d tests/opinfo ]; then NEWEST_TESTS+=(tests/opinfo); fi
 PYTHONPATH="$PWD/src" "$NEWEST_VENV/bin/python" -m pytest -p no:cacheprovider "${NEWEST_TESTS[@]}"
 
 echo "== tier: slow (the examples run end to end: demo progress, exported files kept)"
 python -m pytest -m "slow and not flower"
+
+echo "== tier: the whole OpInfo sweep through ORTModule (tests/opinfo, -m opinfo_full)"
+python -m pytest -m opinfo_full tests/opinfo

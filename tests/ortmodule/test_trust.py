@@ -11,6 +11,7 @@ import torch
 
 from onnxtrain import DebugOptions, ORTModule
 from onnxtrain.autodiff.rules import REGISTRY
+from onnxtrain.capture import export as capture_export
 
 
 class ReturnsNothingTensor(torch.nn.Module):
@@ -60,7 +61,7 @@ def test_a_data_dependent_branch_falls_back_and_trains_the_branch_each_batch_tak
     x = torch.randn(4, 3)
     if reference(x).sum() <= 0:
         x = -x
-    with pytest.warns(UserWarning, match="trace depends on the example input.*Python boolean"):
+    with pytest.warns(UserWarning, match="trace depends on the example input.*test_trust.py:.*Python boolean"):
         model(x).sum().backward()
     assert "TraceDependsOnExample" in model.fallback_reason and "\n" not in model.fallback_reason
     reference(x).sum().backward()
@@ -149,3 +150,53 @@ def test_an_exporter_without_the_stop_gradient_hook_is_not_used_silently(monkeyp
     with pytest.warns(UserWarning, match="lacks the hook where onnxtrain marks detach"):
         captured = capture(torch.nn.Linear(3, 2), (torch.randn(4, 3),), {})
     assert captured.exporter == "torchscript"  # which says, in that warning, that it ignores detach()
+
+
+class DetachWhereTorchExportFails(torch.nn.Module):
+    """Where torch.export fails (made to, below), the TorchScript exporter would drop the detach()."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y * y.detach()
+
+
+def test_the_torchscript_exporter_is_refused_where_it_would_drop_a_detach(monkeypatch):
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    monkeypatch.setattr(capture_export, "_export_dynamo", _broken_dynamo)
+    torch.manual_seed(0)
+    reference = DetachWhereTorchExportFails()
+    model = ORTModule(DetachWhereTorchExportFails())
+    model.module.load_state_dict(reference.state_dict())
+    x = torch.randn(4, 3)
+    with pytest.warns(UserWarning, match=r"calls detach\(\), which the TorchScript exporter does not keep"):
+        model(x).sum().backward()
+    reference(x).sum().backward()
+    torch.testing.assert_close(model.module.fc.weight.grad, reference.fc.weight.grad)
+
+
+class NoGradBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = self.fc(x).abs().mean()
+        return self.fc(x) * scale
+
+
+def test_the_torchscript_exporter_is_refused_where_it_would_drop_a_no_grad_block(monkeypatch):
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    monkeypatch.setattr(capture_export, "_export_dynamo", _broken_dynamo)
+    model = ORTModule(NoGradBlock())
+    with pytest.warns(UserWarning, match=r"with gradients off \(a torch.no_grad\(\) block\)"):
+        model(torch.randn(4, 3))
+    assert model.fallback_reason is not None
+
+
+def _broken_dynamo(*args, **kwargs):
+    raise RuntimeError("dynamo export refused (as for data-dependent control flow)")

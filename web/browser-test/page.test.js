@@ -2,31 +2,15 @@
 // replays the conformance fixtures, trains the classifier, draws the chart and saves a checkpoint.
 // A screenshot goes to docs/web-training.png.
 import assert from 'node:assert/strict';
-import { existsSync } from 'node:fs';
 import { after, before, test } from 'node:test';
 import { fileURLToPath } from 'node:url';
-import puppeteer from 'puppeteer-core';
+import { launch, openAndWait } from './chromium.js';
 import { serve } from '../example/serve.mjs';
 
-export const CHROMIUM = process.env.CHROMIUM ?? ['/usr/bin/chromium', '/usr/bin/chromium-browser'].find(existsSync);
 const SCREENSHOT = fileURLToPath(new URL('../../docs/web-training.png', import.meta.url));
 const RTOL = 1e-5;
 let server;
 let browser;
-
-export async function launch() {
-  assert.ok(CHROMIUM, 'no Chromium found: install Debian\'s chromium (apt-get install chromium) or set CHROMIUM');
-  return puppeteer.launch({
-    executablePath: CHROMIUM, headless: true,
-    args: ['--no-sandbox', '--disable-dev-shm-usage', '--enable-unsafe-webgpu', '--enable-unsafe-swiftshader'],
-  });
-}
-
-export async function openAndWait(page, url, timeout = 240_000) {
-  await page.goto(url);
-  await page.waitForFunction(() => window.onnxtrainResult?.done, { timeout, polling: 200 });
-  return page.evaluate(() => window.onnxtrainResult);
-}
 
 before(async () => {
   server = await serve(0);

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from onnxscript import opset18 as op
 
+from onnxtrain.capture.stop_gradient import translate_stop_gradient
+
 
 def batch_norm_functional(input, weight=None, bias=None, running_mean=None, running_var=None,
                           training: bool = False, momentum: float = 0.1, eps: float = 1e-5):
@@ -35,8 +37,13 @@ def batch_norm_functional(input, weight=None, bias=None, running_mean=None, runn
     flat = op.Constant(value_ints=[-1])
     save_mean = op.Reshape(mean, flat)
     save_rstd = op.Reshape(rstd, flat)
-    if running_mean is None or not training:
-        return out, save_mean, save_rstd, running_mean, running_var
+    if running_mean is not None and not training:  # PyTorch returns no statistics in inference mode
+        empty = op.Slice(save_mean, op.Constant(value_ints=[0]), op.Constant(value_ints=[0]))
+        return out, empty, empty, running_mean, running_var
+    # PyTorch's backward takes the output's gradient only: none flows back from the saved statistics.
+    saved = translate_stop_gradient(save_mean), translate_stop_gradient(save_rstd)
+    if running_mean is None:
+        return out, *saved, running_mean, running_var
     keep = op.CastLike(op.Constant(value_float=1.0 - momentum), input)
     take = op.CastLike(op.Constant(value_float=momentum), input)
     count = op.CastLike(op.Div(op.Size(input), op.Shape(input, start=1, end=2)), input)
@@ -44,4 +51,12 @@ def batch_norm_functional(input, weight=None, bias=None, running_mean=None, runn
     unbiased = op.Mul(op.Reshape(var, flat), op.Div(count, op.Sub(count, one)))
     new_mean = op.Add(op.Mul(running_mean, keep), op.Mul(save_mean, take))
     new_var = op.Add(op.Mul(running_var, keep), op.Mul(unbiased, take))
-    return out, save_mean, save_rstd, new_mean, new_var
+    return out, *saved, new_mean, new_var
+
+
+def native_batch_norm(input, weight=None, bias=None, running_mean=None, running_var=None, training: bool = False,
+                      momentum: float = 0.1, eps: float = 1e-5):
+    """``aten.native_batch_norm``, which the training IR keeps when it is called directly (its in-place update
+    of ``running_mean``/``running_var`` hidden in the op): the exporter's translation normalizes with the
+    running statistics even for ``training=True``. Returns ``(out, save_mean, save_invstd)``."""
+    return batch_norm_functional(input, weight, bias, running_mean, running_var, training, momentum, eps)[:3]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -59,12 +60,15 @@ class FlatModule(torch.nn.Module):
         self.input_spec = input_spec
         self.buffer_names = buffer_names
         self.record = _Record()  # the output structure, written by forward while an exporter traces it
-
+        self.watch: _StopGradientWatch | None = None  # set while the TorchScript exporter traces
 
     def forward(self, *tensors):
         args, kwargs = unflatten(tensors, self.input_spec)
-        out = self.module(*args, **kwargs)
+        with self.watch if self.watch is not None else contextlib.nullcontext():
+            out = self.module(*args, **kwargs)
         flat, self.record["output_spec"] = flatten(out, "output")
+        if any(t.is_complex() for t in flat):  # the exporter writes them as real (..., 2) tensors
+            raise ExportError("the forward returns a complex tensor, which ORTModule does not support")
         buffers = dict(self.module.named_buffers(remove_duplicate=False))
         return (*flat, *(buffers[name] for name in self.buffer_names))
 
@@ -114,9 +118,9 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, verbose: bool
         )
     if len(errors) == 1:
         logger.debug("export: %s", errors[0])
-        warnings.warn(f"the dynamo exporter failed, the TorchScript exporter was used instead (gradients then "
-                      f"flow through detach() and torch.no_grad() blocks): {summary(errors[0])}", UserWarning,
-                      stacklevel=3)
+        warnings.warn(f"the dynamo exporter failed, the TorchScript exporter was used instead (its trace "
+                      f"neither depends on the example nor drops a detach() or no_grad block): "
+                      f"{summary(errors[0])}", UserWarning, stacklevel=3)
     if "output_spec" not in record:
         raise ExportError("the exporter never ran the module's forward; cannot tell its output structure"
                           + "".join(f"\n  {e[:2000]}" for e in errors))
@@ -174,15 +178,47 @@ def _export_torchscript(wrapper: FlatModule, flat: list[torch.Tensor], verbose: 
     axes = {name: {a: f"{name}_dim{a}" for a in dynamic_axes(t)} for name, t in zip(names, flat)}
     mode = torch.onnx.TrainingMode.TRAINING if wrapper.training else torch.onnx.TrainingMode.EVAL
     buffer = io.BytesIO()
-    with quiet_exporter(verbose), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", torch.jit.TracerWarning)  # also those torch's own filters hide
-        torch.onnx.export(
-            wrapper, tuple(flat), buffer, dynamo=False, input_names=names, dynamic_axes=axes,
-            training=mode, do_constant_folding=False, opset_version=OPSET, verbose=verbose,
-        )
+    wrapper.watch = _StopGradientWatch()
+    try:
+        with quiet_exporter(verbose), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", torch.jit.TracerWarning)  # also those torch's own filters hide
+            torch.onnx.export(
+                wrapper, tuple(flat), buffer, dynamo=False, input_names=names, dynamic_axes=axes,
+                training=mode, do_constant_folding=False, opset_version=OPSET, verbose=verbose,
+            )
+    finally:
+        watch, wrapper.watch = wrapper.watch, None
     _refuse_example_dependent_trace(caught)
+    if watch.seen:
+        raise ExportError(f"the module's forward {watch.seen}, which the TorchScript exporter does not keep: "
+                          "gradients would flow where PyTorch stops them")
     proto = onnx.load_from_string(buffer.getvalue())
     return ir.from_proto(proto)
+
+
+class _StopGradientWatch(torch.overrides.TorchFunctionMode):
+    """Notes, while the module's forward is traced, a ``detach()`` or an op run with gradients off (a
+    ``no_grad`` block) where they were on: the TorchScript exporter drops both."""
+
+    def __enter__(self):
+        self.grad_on = torch.is_grad_enabled()
+        self.seen = getattr(self, "seen", "")
+        return super().__enter__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.seen:
+            name = getattr(func, "__name__", "")
+            if name in ("detach", "detach_"):
+                self.seen = f"calls {name}()"
+            elif self.grad_on and not torch.is_grad_enabled():
+                self.seen = f"runs {name or func} with gradients off (a torch.no_grad() block)"
+        with warnings.catch_warnings(record=True) as caught:  # the tracer's warnings, told from the caller's line
+            warnings.simplefilter("always")
+            result = func(*args, **(kwargs or {}))
+        caller = sys._getframe(1)
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, caller.f_code.co_filename, caller.f_lineno)
+        return result
 
 
 class TraceDependsOnExample(ExportError):

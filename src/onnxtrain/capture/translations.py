@@ -1,6 +1,7 @@
 """Translations the dynamo exporter uses in place of its own, or in place of decomposing an op.
 
 - ``aten._native_batch_norm_legit_functional``: training-mode BatchNorm (:mod:`.batchnorm`).
+- ``aten.native_batch_norm`` (called directly): training mode normalizes with the batch statistics (:mod:`.batchnorm`).
 - ``aten.to`` (dtype, device, dtype_layout), ``aten.__and__`` and ``aten.diff``: the training IR that
   ``torch.export`` produces keeps these, and the exporter has no translation for them, so it would
   re-trace the whole program to decompose them (``to`` into ``_to_copy``, ``__and__`` into
@@ -8,6 +9,8 @@
   decomposition at all (:func:`onnxtrain.capture.export._exporter_shortcuts`).
 - ``aten.scaled_dot_product_attention``: a training translation (attention dropout applied, fully
   masked rows zero as in PyTorch, no NaN guard; :mod:`.attention`).
+- ``aten.avg_pool2d`` / ``aten.avg_pool3d``: ``divisor_override`` applied (:mod:`.pooling`).
+- ``aten._safe_softmax``: no NaN gradient from rows of only ``-inf`` (:mod:`.softmax`).
 - ``onnxtrain.stop_gradient`` (``detach()``, ``no_grad`` blocks): ``StopGradient`` in the ``onnxtrain``
   domain (:mod:`.stop_gradient`).
 """
@@ -18,7 +21,9 @@ import torch
 from onnxscript import opset18 as op
 
 from onnxtrain.capture.attention import scaled_dot_product_attention
-from onnxtrain.capture.batchnorm import batch_norm_functional
+from onnxtrain.capture.batchnorm import batch_norm_functional, native_batch_norm
+from onnxtrain.capture.pooling import avg_pool2d, avg_pool3d
+from onnxtrain.capture.softmax import safe_softmax
 from onnxtrain.capture.stop_gradient import translate_stop_gradient
 
 
@@ -77,5 +82,9 @@ TRANSLATIONS = {
     torch.ops.aten.__and__.Tensor: logical_and,
     torch.ops.aten.diff.default: diff,
     torch.ops.aten.scaled_dot_product_attention.default: scaled_dot_product_attention,
+    torch.ops.aten.native_batch_norm.default: native_batch_norm,
+    torch.ops.aten._safe_softmax.default: safe_softmax,
+    torch.ops.aten.avg_pool2d.default: avg_pool2d,
+    torch.ops.aten.avg_pool3d.default: avg_pool3d,
     torch.ops.onnxtrain.stop_gradient.default: translate_stop_gradient,
 }

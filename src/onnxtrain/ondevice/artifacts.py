@@ -41,6 +41,7 @@ from onnxtrain.blocks.loss import (
 )
 from onnxtrain.ondevice import checkpoint as ckpt
 from onnxtrain.ondevice.format import TRAINING_METADATA_KEY, TRAINING_MODEL_FORMAT
+from onnxtrain.runtime import backends
 from onnxtrain.ondevice.input_ranges import input_ranges
 from onnxtrain.passes import pipeline
 from onnxtrain.passes.recompute import Recompute
@@ -293,6 +294,20 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Rec
     return ir_version_for_onnxruntime(ir.to_proto(model))
 
 
+def _artifact_precision(precision: str) -> str:
+    if str(precision).lower() in ("fp16", "float16"):
+        raise ValueError("precision='fp16' artifacts need dynamic loss scaling, which onnxtrain does not build "
+                         "yet; use 'bf16' (same range as float32, no scaling needed) or 'fp32'")
+    return backends.normalize_precision(precision)
+
+
+def _set_precision(proto: onnx.ModelProto, precision: str) -> None:
+    """Record ``precision`` in the model's onnxtrain metadata (read by the runtime's Module)."""
+    for entry in proto.metadata_props:
+        if entry.key == TRAINING_METADATA_KEY:
+            entry.value = json.dumps({**json.loads(entry.value), "precision": precision})
+
+
 # -------------------------------------------------------------------------------------------------
 # The public entry point
 # -------------------------------------------------------------------------------------------------
@@ -303,7 +318,7 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
                        artifact_directory: str | os.PathLike | None = None, prefix: str = "",
                        additional_output_names: Sequence[str] | None = None, nominal_checkpoint: bool = False,
                        loss_input_names: Sequence[str] | None = None, overwrite: bool = False,
-                       recompute=None) -> Artifacts:
+                       precision: str = "fp32", recompute=None) -> Artifacts:
     """Write the training, eval and optimizer models and the checkpoint for on-device training.
 
     ``requires_grad`` names the initializers to train; ``frozen_params`` the ones to keep in the
@@ -317,12 +332,18 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     new set then replaces the old one as a whole (:func:`onnxtrain.utils.atomic.atomic_file_set`), stale
     files of the old set (an optimizer model the new set lacks) included.
 
+    ``precision="bf16"`` marks the training and eval models to run in bfloat16: the graphs stay float32 (so
+    they run on any ONNX runtime), and the runtime's ``Module`` runs them on OpenVINO with its bfloat16
+    hint where it can, else warns once and runs float32 (docs/precision.md). "fp16" needs dynamic loss
+    scaling, which is not built yet.
+
     ``recompute`` (default None: nothing) has the training model recompute forward values for the
     gradients instead of keeping them, as ORTModule's option (:mod:`onnxtrain.passes.recompute`): a
     fraction of the stashed bytes to keep, a number of bytes, a string, or a ``Recompute``, whose ``dims``
     give the sizes of the model's symbolic dims (dims it does not name make sizes unknown, and those values
     are left as they are). The plan is logged at INFO.
     """
+    precision = _artifact_precision(precision)
     loss_block = resolve_loss(loss)
     optimizer_block = resolve_optimizer(optimizer)
     out_dir = Path(artifact_directory if artifact_directory is not None else os.getcwd())
@@ -335,6 +356,9 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     plan = None if recompute is None else Recompute.of(recompute)
     training_proto = build_training_model(eval_proto, info, plan)
     eval_proto = ir.to_proto(pipeline.artifacts_eval_export()(ir.from_proto(eval_proto)))
+    if precision != "fp32":
+        for model_proto in (training_proto, eval_proto):
+            _set_precision(model_proto, precision)
 
     values = info["values"]
     opt_proto = None

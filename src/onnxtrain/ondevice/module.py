@@ -57,8 +57,9 @@ class Module:
 
     ``backend`` ("onnxruntime", "openvino", or None for the ``ONNXTRAIN_BACKEND`` env var, else the one the
     precision needs) runs the training and eval models; ``precision="bf16"`` runs them in bfloat16 on
-    OpenVINO (:mod:`onnxtrain.runtime.backends`; where that cannot run, a warning and float32). The
-    optimizer model always runs on onnxruntime, in float32. See docs/precision.md.
+    OpenVINO (:mod:`onnxtrain.runtime.backends`; where that cannot run, a warning and float32), and
+    ``precision=None`` takes the one the artifacts were generated for. The optimizer model always runs on
+    onnxruntime, in float32. See docs/precision.md.
     """
 
     def __init__(self, train_model_uri: str | os.PathLike, state: CheckpointState,
@@ -74,6 +75,12 @@ class Module:
         session = create_session(train_model_uri, self.session_options, device, "training model", self.backend,
                                  self.precision)
         meta = read_metadata(session, TRAINING_METADATA_KEY, train_model_uri, "training model")
+        if precision is None and meta.get("precision", "fp32") != "fp32":  # as generated: bf16 artifacts
+            chosen = backends.resolve(backend, meta["precision"], device)
+            if chosen != (self.backend, self.precision):
+                self.backend, self.precision = chosen
+                session = create_session(train_model_uri, self.session_options, device, "training model",
+                                         self.backend, self.precision)
         if meta.get("kind") != "training":
             raise ValueError(f"{train_model_uri} is the {meta.get('kind')} model; pass training_model.onnx as "
                              "train_model_uri (and the eval model as eval_model_uri)")

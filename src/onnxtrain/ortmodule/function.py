@@ -26,6 +26,7 @@ class ORTFunction(torch.autograd.Function):
     def forward(ctx, graphs: SchemaGraphs, training: Training, *tensors: torch.Tensor):
         reseed(graphs)
         outputs = training.forward.run(tensors)
+        training.forward.check_output_shapes(outputs)  # before anything uses them: ORTModule falls back
         n_user = graphs.num_outputs
         n_visible = n_user + len(graphs.mutated_buffers)
         ctx.training = training

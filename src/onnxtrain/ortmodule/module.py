@@ -98,7 +98,14 @@ class ORTModule(torch.nn.Module):
         if training is None:
             outputs = self._run_inference(graphs, tensors, state)
         else:
-            outputs = ORTFunction.apply(graphs, training, *tensors, *state)
+            try:
+                outputs = ORTFunction.apply(graphs, training, *tensors, *state)
+            except Exception as exc:  # noqa: BLE001 - on its first run, no output has been used yet
+                if training.forward.runs:  # it has run before: a failure now is raised, not hidden
+                    raise
+                self._fall_back(exc)
+                return self.module(*args, **kwargs)
+            training.forward.runs += 1
         user = outputs[: graphs.num_outputs]
         self._update_buffers(graphs, outputs[graphs.num_outputs:])
         return unflatten(list(user), graphs.captured.output_spec)

@@ -50,6 +50,23 @@ def session_options(threads: int | None = None, log_severity: int = 3,
     return options
 
 
+class OutputShapeError(RuntimeError):
+    """onnxruntime returned an output whose rank or fixed sizes differ from the graph's declared shape
+    (shape inference got it wrong): a graph that takes that value as an input would refuse it."""
+
+
+def declared_shapes(model: onnx.ModelProto) -> list[list[int | None] | None]:
+    """Each graph output's declared shape: a size per axis (None where symbolic), or None if unknown."""
+    shapes = []
+    for output in model.graph.output:
+        tensor = output.type.tensor_type
+        if not tensor.HasField("shape"):
+            shapes.append(None)
+            continue
+        shapes.append([d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim])
+    return shapes
+
+
 class TorchSession:
     """Run an ONNX model on torch tensors: ``outputs = session.run(inputs)`` in graph input order."""
 
@@ -67,6 +84,8 @@ class TorchSession:
             self._session = backends.create_session(model.SerializeToString(), backend, precision, options)
         self.input_names = [i.name for i in self._session.get_inputs()]
         self.output_names = [o.name for o in self._session.get_outputs()]
+        self.output_shapes = declared_shapes(model)
+        self.runs = 0  # runs that returned outputs its callers accepted (ORTModule counts them)
         self._ort_device = "cuda" if self.device.type == "cuda" else "cpu"
         self._device_id = self.device.index or 0
         # Parameters are the same tensors, in the same memory, at every step (optimizers update them in
@@ -96,3 +115,14 @@ class TorchSession:
             binding.bind_output(name, self._ort_device, self._device_id)
         self._session.run_with_iobinding(binding)
         return [to_torch(v) for v in binding.get_outputs()]
+
+    def check_output_shapes(self, outputs: Sequence[torch.Tensor]) -> None:
+        """Raise :class:`OutputShapeError` where an output's rank or a fixed size is not the declared one."""
+        for name, shape, tensor in zip(self.output_names, self.output_shapes, outputs):
+            if shape is None:
+                continue
+            if len(shape) != tensor.dim() or any(d is not None and d != n for d, n in zip(shape, tensor.shape)):
+                raise OutputShapeError(
+                    f"graph output {name!r} has shape {list(tensor.shape)} where the graph declares "
+                    f"{['?' if d is None else d for d in shape]} (shape inference disagrees with onnxruntime's "
+                    "kernels; the backward graph would refuse it)")

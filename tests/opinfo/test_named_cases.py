@@ -1,0 +1,130 @@
+"""The cases issue 15 names, each against eager PyTorch (forward and gradients), outside op_db's samples.
+
+Each case that runs in onnxruntime must not fall back (the fallback is off here); each case ORTModule
+cannot run must fall back before the first step, with a reason that names the op and the argument.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from onnxtrain import DebugOptions, ORTModule
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn, *params):
+        super().__init__()
+        self.fn = fn
+        self.params = torch.nn.ParameterList([torch.nn.Parameter(p) for p in params])
+
+    def forward(self, *inputs):
+        return self.fn(*inputs, *self.params)
+
+
+def _step(model, inputs, weight):
+    inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = model(*inputs)
+    (out * weight).sum().backward()
+    grads = [t.grad for t in inputs if t.requires_grad] + [p.grad for p in model.parameters()]
+    return out.detach(), grads
+
+
+def assert_matches_eager(fn, inputs, params=(), atol=1e-5, rtol=1e-4):
+    """``fn`` under ORTModule (fallback off: it must run in onnxruntime) against eager, for two steps."""
+    eager = Fn(fn, *[p.clone() for p in params])
+    ort = ORTModule(Fn(fn, *[p.clone() for p in params]), DebugOptions(fallback=False))
+    for step in range(2):
+        batch = [t + step if t.is_floating_point() else t for t in inputs]
+        with torch.no_grad():
+            shape = eager(*batch).shape
+        weight = torch.rand(shape, generator=torch.Generator().manual_seed(step)) + 0.5
+        expected, expected_grads = _step(eager, batch, weight)
+        actual, actual_grads = _step(ort, batch, weight)
+        assert ort.fallback_reason is None
+        torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, equal_nan=True)
+        assert len(actual_grads) == len(expected_grads)
+        for a, e in zip(actual_grads, expected_grads):
+            torch.testing.assert_close(a, e, atol=atol, rtol=rtol, equal_nan=True)
+        eager.zero_grad()
+        ort.zero_grad()
+
+
+@pytest.mark.parametrize("ceil_mode", [False, True])
+@pytest.mark.parametrize("batched", [True, False])
+def test_avg_pool2d_divisor_override(ceil_mode, batched):
+    x = torch.randn(2, 3, 9, 8) if batched else torch.randn(3, 9, 8)
+    assert_matches_eager(lambda t: F.avg_pool2d(t, (3, 2), (2, 3), 1, ceil_mode, False, 2), [x])
+
+
+@pytest.mark.parametrize("ceil_mode", [False, True])
+def test_avg_pool3d_divisor_override(ceil_mode):
+    x = torch.randn(2, 2, 5, 6, 7)
+    assert_matches_eager(lambda t: F.avg_pool3d(t, 3, 2, 1, ceil_mode, True, 5), [x])
+
+
+def test_native_batch_norm_training_uses_batch_statistics():
+    def fn(x, w, b):
+        return torch.native_batch_norm(x, w, b, torch.zeros(3), torch.ones(3), True, 0.1, 1e-5)[0]
+
+    assert_matches_eager(fn, [torch.randn(4, 3, 5) * 3 + 2], params=(torch.rand(3) + 0.5, torch.randn(3)))
+
+
+def test_native_batch_norm_statistics_pass_no_gradient():
+    """PyTorch's backward ignores the saved mean's and invstd's gradients; so must the graph."""
+    def fn(x, w, b):
+        out, mean, invstd = torch.native_batch_norm(x, w, b, None, None, True, 0.1, 1e-5)
+        return out.sum(dim=(0, 2)) + mean * 2 + invstd * 3
+
+    assert_matches_eager(fn, [torch.randn(4, 3, 5) * 3 + 2], params=(torch.rand(3) + 0.5, torch.randn(3)))
+
+
+@pytest.mark.parametrize("op", ["index_select", "squeeze"])
+def test_output_shape_disagreement_falls_back_before_the_step(op):
+    """Shape inference that gives an output another rank than onnxruntime's kernel (a 0-d index_select, a
+    squeeze() of an axis exported as dynamic) made the backward run raise mid-training; now ORTModule falls
+    back on the forward, before its outputs are used, and the step matches eager."""
+    if op == "index_select":
+        fn, x, extra = (lambda t, i: torch.index_select(t, 0, i) * 2), torch.randn(()), [torch.tensor([0])]
+    else:
+        fn, x, extra = (lambda t: t.squeeze() * 2), torch.randn(5, 1, 5, 1), []
+    model = ORTModule(Fn(fn), DebugOptions(fallback=True))
+    xa, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model(xa, *extra)
+    assert model.fallback_reason is not None and "OutputShapeError" in model.fallback_reason
+    expected = fn(xe, *extra)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(xa.grad, xe.grad)
+
+
+def test_safe_softmax_masked_rows_have_zero_gradients():
+    """A row of only -inf: zeros out and zero gradients, as in PyTorch (the exporter's gave NaN gradients)."""
+    x = torch.randn(3, 4, 5)
+    x[0, 1] = float("-inf")
+    x[1, 2, :3] = float("-inf")
+    assert_matches_eager(lambda t: torch.ops.aten._safe_softmax(t, -1) * 3, [x])
+
+
+def test_circular_pad_of_an_empty_batch_falls_back_on_its_first_run():
+    """onnxruntime's circular Pad refuses an empty batch ("Unexpected mode of 3"): the first forward raises
+    inside onnxruntime, before any output is used, so ORTModule falls back there instead of failing."""
+    fn = lambda t: F.pad(t, (1, 2), mode="circular") * 2  # noqa: E731
+    model = ORTModule(Fn(fn), DebugOptions(fallback=True))
+    x = torch.randn(0, 3, 3)
+    xa, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model(xa)
+    assert model.fallback_reason is not None and "Pad" in model.fallback_reason
+    expected = fn(xe)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(xa.grad, xe.grad)
