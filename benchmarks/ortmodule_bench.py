@@ -37,7 +37,8 @@ DESCRIPTIONS = {
 
 
 # -- workloads (random weights, synthetic data) -------------------------------------------------
-def make_workload(name: str):
+def make_workload(name: str, scale: int = 1):
+    """The workload's model and loss function; ``scale`` multiplies the batch."""
     import torch
 
     torch.manual_seed(0)
@@ -56,9 +57,9 @@ def make_workload(name: str):
         config = BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
                             vocab_size=30522, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         model = BertForSequenceClassification(config)
-        ids = torch.randint(0, 30522, (8, 128))
-        mask = torch.ones(8, 128, dtype=torch.int64)
-        labels = torch.randint(0, 2, (8,))
+        ids = torch.randint(0, 30522, (8 * scale, 128))
+        mask = torch.ones(8 * scale, 128, dtype=torch.int64)
+        labels = torch.randint(0, 2, (8 * scale,))
         return model, lambda m: m(input_ids=ids, attention_mask=mask, labels=labels).loss
     if name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -66,7 +67,7 @@ def make_workload(name: str):
         config = GPT2Config(n_embd=256, n_layer=4, n_head=4, vocab_size=50257, use_cache=False,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = GPT2LMHeadModel(config)
-        ids = torch.randint(0, 50257, (4, 128))
+        ids = torch.randint(0, 50257, (4 * scale, 128))
         return model, lambda m: m(input_ids=ids, labels=ids).loss
     if name == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM

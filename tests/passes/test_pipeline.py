@@ -30,15 +30,16 @@ def _run(model: ir.Model, feeds):
 
 
 def test_every_pipeline_names_its_steps_once_and_says_why():
-    pipelines = [pipeline.ortmodule_prepare([]), pipeline.ortmodule_training(), pipeline.ortmodule_backward(),
+    pipelines = [pipeline.ortmodule_prepare([]), pipeline.ortmodule_training(1), pipeline.ortmodule_backward(),
                  pipeline.ortmodule_inference(), pipeline.artifacts_forward(), pipeline.artifacts_eval(),
-                 pipeline.artifacts_training(), pipeline.artifacts_eval_export()]
+                 pipeline.artifacts_training(1), pipeline.artifacts_eval_export()]
     for p in pipelines:
         assert p.steps and len(set(p.names)) == len(p.names)
         assert all(s.why for s in p.steps), p
     prepare = pipeline.ortmodule_prepare([]).names
     assert prepare[0] == "initializers_to_inputs" and prepare[-1] == "symbolic_shapes"
-    assert pipeline.artifacts_training().names[-1] == "strip_stop_gradients"
+    assert pipeline.artifacts_training(1).names[-1] == "strip_stop_gradients"
+    assert pipeline.ortmodule_training(1).names[-1] == "recompute"
 
 
 def test_repeated_step_names_are_refused():

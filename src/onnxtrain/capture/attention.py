@@ -103,17 +103,21 @@ def _causal_mask(query, key):
 
 
 def _repeat_heads(query, kv):
-    """``kv.repeat_interleave(Hq // Hkv, dim=-3)`` (``enable_gqa``), when the head counts are known."""
+    """``kv.repeat_interleave(Hq // Hkv, dim=-3)`` (``enable_gqa``); head counts that the export left
+    symbolic (torch 2.15 keeps a 4-D input's axis 1 dynamic) are read from the shapes at run time."""
     heads, kv_heads = query.shape[-3], kv.shape[-3]
-    if not (isinstance(heads, int) and isinstance(kv_heads, int)):
-        raise NotImplementedError("scaled_dot_product_attention(enable_gqa=True) needs static head counts")
-    if heads == kv_heads:
+    static = isinstance(heads, int) and isinstance(kv_heads, int)
+    if static and heads == kv_heads:
         return kv
-    if heads % kv_heads:
+    if static and heads % kv_heads:
         raise ValueError(f"scaled_dot_product_attention(enable_gqa=True): {heads} query heads are not a "
                          f"multiple of {kv_heads} key/value heads")
+    if static:
+        repeats, all_heads = op.Constant(value_ints=[heads // kv_heads]), op.Constant(value_ints=[heads])
+    else:
+        all_heads = op.Shape(query, start=-3, end=-2)
+        repeats = op.Div(all_heads, op.Shape(kv, start=-3, end=-2))
     lead, tail = op.Shape(kv, end=-2), op.Shape(kv, start=-2)
-    expanded = op.Expand(op.Unsqueeze(kv, op.Constant(value_ints=[-3])),
-                         op.Concat(lead, op.Constant(value_ints=[heads // kv_heads]), tail, axis=0))
+    expanded = op.Expand(op.Unsqueeze(kv, op.Constant(value_ints=[-3])), op.Concat(lead, repeats, tail, axis=0))
     batch = op.Shape(kv, end=-3)
-    return op.Reshape(expanded, op.Concat(batch, op.Constant(value_ints=[heads]), tail, axis=0))
+    return op.Reshape(expanded, op.Concat(batch, all_heads, tail, axis=0))

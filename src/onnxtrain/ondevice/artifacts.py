@@ -44,6 +44,7 @@ from onnxtrain.ondevice.format import TRAINING_METADATA_KEY, TRAINING_MODEL_FORM
 from onnxtrain.runtime import backends
 from onnxtrain.ondevice.input_ranges import input_ranges
 from onnxtrain.passes import pipeline
+from onnxtrain.passes.recompute import Recompute
 from onnxtrain.utils.atomic import atomic_file_set, refuse_existing
 from onnxtrain.utils.io import load_model, save_model_atomic
 
@@ -277,15 +278,16 @@ def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
                          "loss block's inputs match the model outputs in type and rank") from exc
 
 
-def build_training_model(eval_proto: onnx.ModelProto, info: dict) -> onnx.ModelProto:
+def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Recompute | None = None) -> onnx.ModelProto:
     """Add the gradients of the loss w.r.t. the trainable parameters to the eval model."""
     model = ir.from_proto(eval_proto)
     graph = model.graph
     by_name = {v.name: v for v in graph.inputs}
     wrt = [by_name[n] for n in info["trainable"]]
     loss_value = graph.outputs[0]
+    num_outputs = len(graph.outputs)
     grads = add_gradient_outputs(model, wrt, [loss_value], names=info["trainable"])
-    model = pipeline.artifacts_training()(model)
+    model = pipeline.artifacts_training(num_outputs, recompute)(model)
     meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen", "input_checks")}
     model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training", "format": TRAINING_MODEL_FORMAT,
                                                               "gradients": [g.name for g in grads]})
@@ -316,7 +318,7 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
                        artifact_directory: str | os.PathLike | None = None, prefix: str = "",
                        additional_output_names: Sequence[str] | None = None, nominal_checkpoint: bool = False,
                        loss_input_names: Sequence[str] | None = None, overwrite: bool = False,
-                       precision: str = "fp32") -> Artifacts:
+                       precision: str = "fp32", recompute=None) -> Artifacts:
     """Write the training, eval and optimizer models and the checkpoint for on-device training.
 
     ``requires_grad`` names the initializers to train; ``frozen_params`` the ones to keep in the
@@ -334,6 +336,12 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     they run on any ONNX runtime), and the runtime's ``Module`` runs them on OpenVINO with its bfloat16
     hint where it can, else warns once and runs float32 (docs/precision.md). "fp16" needs dynamic loss
     scaling, which is not built yet.
+
+    ``recompute`` (default None: nothing) has the training model recompute forward values for the
+    gradients instead of keeping them, as ORTModule's option (:mod:`onnxtrain.passes.recompute`): a
+    fraction of the stashed bytes to keep, a number of bytes, a string, or a ``Recompute``, whose ``dims``
+    give the sizes of the model's symbolic dims (dims it does not name make sizes unknown, and those values
+    are left as they are). The plan is logged at INFO.
     """
     precision = _artifact_precision(precision)
     loss_block = resolve_loss(loss)
@@ -345,7 +353,8 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     proto = prepare_model(load_model(model))
     eval_proto, info = build_eval_model(proto, requires_grad, frozen_params, loss_block,
                                         additional_output_names, loss_input_names)
-    training_proto = build_training_model(eval_proto, info)
+    plan = None if recompute is None else Recompute.of(recompute)
+    training_proto = build_training_model(eval_proto, info, plan)
     eval_proto = ir.to_proto(pipeline.artifacts_eval_export()(ir.from_proto(eval_proto)))
     if precision != "fp32":
         for model_proto in (training_proto, eval_proto):

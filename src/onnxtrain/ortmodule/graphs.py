@@ -28,6 +28,8 @@ from onnxtrain.capture import Captured
 from onnxtrain.ortmodule.options import MIN_STAGE_BYTES, backward_stages
 from onnxtrain.passes import Split, pipeline, split_forward_backward
 from onnxtrain.passes.defer_row_scatters import RowScatters, defer_row_scatters
+from onnxtrain.passes.recompute import Plan as RecomputePlan
+from onnxtrain.passes.recompute import Recompute, dims_from_inputs
 from onnxtrain.passes.stage_graph import CannotStage, one_stage, stage_graph
 from onnxtrain.passes.zero_inputs import CannotPrune, prune_zero_inputs
 from onnxtrain.runtime.session import TorchSession, session_options
@@ -70,6 +72,7 @@ class Training:
     zero_rows: dict[int, int] = field(default_factory=dict)
     freq_scaled: set[int] = field(default_factory=set)
     backward_stages: int = 1
+    recompute: RecomputePlan | None = None  # what backward recomputes instead of stashing, and the bytes
     # Keyed by which differentiable outputs have a gradient. None: those cannot be pruned, so the full
     # graph runs with zeros fed for them.
     _backward: dict[tuple[bool, ...], StagedSession | None] = field(default_factory=dict)
@@ -157,11 +160,15 @@ def prepare(captured: Captured, state_names: list[str], device: torch.device, lo
     return SchemaGraphs(captured, state_names, num_inputs, proto, random, device, log_severity)
 
 
-def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver | None = None) -> Training:
-    """Differentiate the base graph w.r.t. the inputs flagged in ``requires_grad`` and split it."""
+def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver | None = None,
+                   recompute: Recompute | None = None, input_shapes: list[tuple[int, ...]] | None = None) -> Training:
+    """Differentiate the base graph w.r.t. the inputs flagged in ``requires_grad`` and split it.
+    ``recompute``: what backward recomputes instead of stashing (:mod:`onnxtrain.passes.recompute`), its
+    bytes counted with the dims of ``input_shapes`` (the shapes of ``[*inputs, *state]`` on this call)."""
     model = ir.from_proto(graphs.base)
     graph = model.graph
     inputs = list(graph.inputs)
+    dims = dims_from_inputs(graph, input_shapes or [])
     user_outputs = list(graph.outputs[: graphs.num_outputs])
     wanted = {v for v, flag in zip(inputs, requires_grad) if flag and is_float(v)}
     # Outputs that no gradient can reach (ints, or values behind detach() / no_grad) do not require grad.
@@ -179,7 +186,8 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     if wrt:
         bases = [_free_grad_base(inputs[i].name, taken) for i in wrt]
         add_gradient_outputs(model, [inputs[i] for i in wrt], targets, seeds, names=bases)
-    model = pipeline.ortmodule_training()(model)
+    training_passes = pipeline.ortmodule_training(num_forward_outputs, recompute, dims)
+    model = training_passes(model)
     if save is not None:
         save(model, "training")
     split = split_forward_backward(model, num_forward_outputs, len(seeds))
@@ -194,7 +202,7 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     state = {graphs.num_inputs + i: name for i, name in enumerate(graphs.state_names)}
     padding_ids, zero_rows, freq_scaled = _lookup_rules(graphs, [state.get(pos) for pos in wrt], row_scatters)
     return Training(graphs._session(forward), backward, split, wrt, diff_outputs, graphs._session, row_scatters,
-                    padding_ids, zero_rows, freq_scaled, backward_stages())
+                    padding_ids, zero_rows, freq_scaled, backward_stages(), training_passes.step("recompute").plan)
 
 
 def _lookup_rules(graphs: SchemaGraphs, names: list[str | None],

@@ -163,7 +163,8 @@ class ORTModule(torch.nn.Module):
         training = graphs.training.get(flags)
         if training is None:
             with young_objects_only():
-                training = build_training(graphs, list(flags), graphs.saver)
+                training = build_training(graphs, list(flags), graphs.saver, self._debug.recompute_plan(),
+                                          [tuple(t.shape) for t in (*tensors, *state)])
             graphs.training[flags] = training
         return training
 

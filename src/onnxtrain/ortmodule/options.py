@@ -14,6 +14,9 @@ Environment variables (read when an ORTModule is created):
   graph as up to N onnxruntime sessions in turn, so that the forward's stashed activations are freed as
   backward goes instead of when it ends. 1 runs it whole. A stage is cut only where it frees at least
   ``MIN_STAGE_BYTES`` of stash, so small models run whole anyway.
+- ``ORTMODULE_MEMORY_OPT_LEVEL`` and ``ORTMODULE_MEMORY_OPT_CONFIG`` (ONNX Runtime Training's; read when
+  training graphs are built) pick what backward recomputes instead of keeping from forward, where
+  ``DebugOptions(recompute=...)`` does not: see :mod:`onnxtrain.passes.recompute`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from onnxtrain.passes.recompute import Recompute
+from onnxtrain.passes.recompute import from_env as recompute_from_env
 from onnxtrain.utils.logs import set_level as set_log_level
 
 FALLBACK_ENV = "ONNXTRAIN_FALLBACK"
@@ -108,6 +113,12 @@ class DebugOptions:
     module in PyTorch, with a warning, when it cannot be exported or differentiated. ``verify`` (default:
     ``$ONNXTRAIN_VERIFY``, else off) checks the first batch of every new graph against PyTorch eager
     (outputs and gradients) and falls back, naming the first difference, where they disagree.
+
+    ``recompute``: how much of the forward values backward reads is kept in memory and how much is
+    recomputed in backward (:mod:`onnxtrain.passes.recompute`): None for ``$ORTMODULE_MEMORY_OPT_LEVEL`` /
+    ``$ORTMODULE_MEMORY_OPT_CONFIG`` if set, else the default plan (cheap pointwise ops only); a fraction
+    of the stashed bytes to keep at most (``0.5``; ``0.0``: recompute all it can), a number of bytes, a
+    string (``"0.5"``, ``"300MB"``, ``"off"``), or a ``Recompute``. The plan is logged at INFO.
     """
 
     log_level: LogLevel = field(default_factory=_env_log_level)
@@ -116,6 +127,7 @@ class DebugOptions:
     save_path: str = ""
     fallback: bool | None = None
     verify: bool | None = None
+    recompute: float | int | str | Recompute | None = None
 
     def __post_init__(self):
         if isinstance(self.log_level, str):
@@ -128,6 +140,14 @@ class DebugOptions:
             self.fallback = _env_fallback()
         if self.verify is None:
             self.verify = _env_verify()
+        if self.recompute is not None:
+            self.recompute = Recompute.of(self.recompute)  # a bad value fails here, not at the first step
+
+    def recompute_plan(self) -> Recompute:
+        """The recompute plan for graphs built now: the option, else the environment's, else the default."""
+        if self.recompute is not None:
+            return self.recompute
+        return recompute_from_env() or Recompute()
 
     @property
     def save_dir(self) -> Path:

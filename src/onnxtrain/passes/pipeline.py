@@ -8,7 +8,7 @@ and convert to protos only at session and file boundaries.
 
 ORTModule (``onnxtrain.ortmodule.graphs``)::
 
-    captured model -> ortmodule_prepare -> base graph --autodiff--> ortmodule_training
+    captured model -> ortmodule_prepare -> base graph --autodiff--> ortmodule_training (recompute last)
         --split_forward_backward--> forward graph, backward graph --per pattern of present output
         gradients: prune_zero_inputs--> ortmodule_backward --stage_graph--> sessions
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import onnx_ir as ir
@@ -37,6 +37,7 @@ import onnx_ir.passes.common
 from onnxtrain.passes.expand_cross_entropy import ExpandCrossEntropyPass
 from onnxtrain.passes.initializers_to_inputs import InitializersToInputsPass
 from onnxtrain.passes.optimize import OptimizePass
+from onnxtrain.passes.recompute import Recompute, RecomputePass
 from onnxtrain.passes.strip_stop_gradients import StripStopGradientsPass
 from onnxtrain.passes.sum_rows_by_matmul import SumRowsByMatMulPass
 from onnxtrain.passes.symbolic_shapes import SymbolicShapesPass
@@ -67,6 +68,13 @@ class Pipeline:
     @property
     def names(self) -> list[str]:
         return [s.name for s in self.steps]
+
+    def step(self, name: str) -> ir.passes.PassBase:
+        """The pass of the step named ``name`` (to read what it found after the run)."""
+        for s in self.steps:
+            if s.name == name:
+                return s.run
+        raise KeyError(f"pipeline {self.name!r} has no step {name!r}; its steps: {self.names}")
 
     def __call__(self, model: ir.Model) -> ir.Model:
         for step in self.steps:
@@ -100,11 +108,16 @@ def ortmodule_prepare(state_names: Sequence[str]) -> Pipeline:
     ])
 
 
-def ortmodule_training() -> Pipeline:
-    """The joint graph (forward + gradients, just differentiated) before the forward/backward split."""
+def ortmodule_training(num_forward_outputs: int, recompute: Recompute | None = None,
+                       dims: Mapping[str, int] | None = None) -> Pipeline:
+    """The joint graph (forward + gradients, just differentiated) before the forward/backward split.
+    ``num_forward_outputs``: its first outputs are the forward's; ``dims``: sizes of its symbolic dims."""
     return Pipeline("ortmodule_training", [
         Step("expand_cross_entropy", ExpandCrossEntropyPass(),
              "after autodiff: the SoftmaxCrossEntropyLoss rule builds the cheaper backward"),
+        Step("recompute", RecomputePass(num_forward_outputs, recompute, dims),
+             "last before the split: decides what backward recomputes of the final forward; the split puts "
+             "the clones in backward"),
     ])
 
 
@@ -146,14 +159,20 @@ def artifacts_eval() -> Pipeline:
     ])
 
 
-def artifacts_training() -> Pipeline:
-    """The eval graph with the gradients added: training_model.onnx."""
-    return Pipeline("artifacts_training", [
+def artifacts_training(num_outputs: int, recompute: Recompute | None = None) -> Pipeline:
+    """The eval graph with the gradients added: training_model.onnx. ``num_outputs``: the eval graph's
+    outputs (loss and additional outputs), first in the training graph's; ``recompute``: a plan, if any
+    (onnxruntime runs the graph as one, so a recomputed value is freed after its last forward use)."""
+    steps = [
         Step("expand_cross_entropy", ExpandCrossEntropyPass(),
              "after autodiff: the SoftmaxCrossEntropyLoss rule builds the cheaper backward"),
         Step("sum_rows_by_matmul", SumRowsByMatMulPass(), "after autodiff: rewrites the gradients' leading-axis sums"),
-        Step("strip_stop_gradients", StripStopGradientsPass(), "last: the file runs on any ONNX runtime"),
-    ])
+    ]
+    if recompute is not None:
+        steps.append(Step("recompute", RecomputePass(num_outputs, recompute),
+                          "after the rewrites of the gradient nodes, which it clones forward work for"))
+    steps.append(Step("strip_stop_gradients", StripStopGradientsPass(), "last: the file runs on any ONNX runtime"))
+    return Pipeline("artifacts_training", steps)
 
 
 def artifacts_eval_export() -> Pipeline:

@@ -9,10 +9,10 @@ The training graph takes ``[*forward inputs, *output gradients]`` and returns
 
 Nodes that the forward outputs need run in forward; every other node that the gradients need runs in
 backward, so values that backward can compute from what it has (shapes, constants, ``1 - y*y``) are
-recomputed there rather than kept in memory. Forward inputs that backward reads (parameters, inputs)
-are not stashed: the caller passes the same tensors again. Cheap layout ops that forward applies to its
-inputs (the ``Transpose`` of a weight before ``MatMul``) are recomputed in backward too: stashing them
-would cost memory and stop onnxruntime from fusing them into the forward ``MatMul``.
+computed there rather than kept in memory. Forward inputs that backward reads (parameters, inputs)
+are not stashed: the caller passes the same tensors again. ``Shape``/``Size`` of forward values run in
+forward, so a few integers are stashed instead of a tensor. What else to recompute rather than stash is
+decided before the split, by :mod:`onnxtrain.passes.recompute` (its clones are backward nodes here).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class Split:
         return len(self.stashed_outputs)
 
 
-def _ancestors(roots: Iterable[ir.Value]) -> set[ir.Node]:
+def ancestors(roots: Iterable[ir.Value]) -> set[ir.Node]:
+    """The nodes that the values ``roots`` depend on."""
     seen: set[ir.Node] = set()
     stack = [v.producer() for v in roots if v is not None and v.producer() is not None]
     while stack:
@@ -48,18 +49,6 @@ def _ancestors(roots: Iterable[ir.Value]) -> set[ir.Node]:
     return seen
 
 
-# Ops cheap enough to redo in backward when all they read are forward inputs, initializers or constants.
-RECOMPUTE_OPS = frozenset({"Transpose", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast", "Identity",
-                           "Constant"})
-# Ops redone in backward, instead of stashed, when everything they read is at hand there anyway (forward
-# inputs, constants, or values stashed for other reasons): one pass over memory saves a whole activation.
-# E.g. the mask and result of ``Where(IsNaN(p), 0, p)`` after an attention softmax, from ``p`` alone, or
-# ``0.5 * x`` and ``1 + t`` in GPT-2's GELU. Transcendental ops (Gelu, Tanh, Erf) are not redone: their
-# cost shows in the step time.
-REMATERIALIZE_OPS = RECOMPUTE_OPS | frozenset({
-    "IsNaN", "IsInf", "Not", "And", "Or", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
-    "Where", "Neg", "Expand", "Add", "Sub", "Mul", "Div", "Relu",
-})
 # Ops that read only their input's shape: run in forward, they stash a few integers instead of a tensor.
 SHAPE_OPS = frozenset({"Shape", "Size"})
 
@@ -109,82 +98,6 @@ def _shape_output_shape(node: ir.Node) -> ir.Shape | None:
     return ir.Shape([max(0, end - start)])
 
 
-class _Recompute:
-    """Clones forward nodes into backward so that backward reads their inputs instead of their outputs."""
-
-    def __init__(self, forward_nodes: set[ir.Node], leaves: set[ir.Value]):
-        self.forward_nodes, self.leaves = forward_nodes, leaves
-        self.clones: dict[ir.Value, ir.Value] = {}
-        self.cloned: list[ir.Node] = []  # in creation order, which is topological
-        self._cheap: dict[ir.Value, bool] = {}
-
-    def cheap(self, v: ir.Value | None) -> bool:
-        """Computable in backward from forward inputs and constants by layout ops alone."""
-        if v is None or v in self.leaves:
-            return True
-        if v not in self._cheap:
-            node = v.producer()
-            self._cheap[v] = (node is not None and node in self.forward_nodes and _is_onnx(node, RECOMPUTE_OPS)
-                              and all(self.cheap(i) for i in node.inputs))
-        return self._cheap[v]
-
-    def clone(self, v: ir.Value | None, keep: set[ir.Value] = frozenset()) -> ir.Value | None:
-        """The backward copy of ``v``; values in ``keep`` (and leaves) are read as they are."""
-        if v is None or v in self.leaves or v in keep:
-            return v
-        if v not in self.clones:
-            node = v.producer()
-            inputs = [self.clone(i, keep) for i in node.inputs]
-            attributes = [ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()]
-            copy = ir.Node(node.domain, node.op_type, inputs, attributes=attributes,
-                           num_outputs=len(node.outputs), name=_clone_name(node, len(self.cloned)))
-            for old, new in zip(node.outputs, copy.outputs):
-                new.name, new.type, new.shape = old.name, old.type, old.shape
-                self.clones[old] = new
-            self.cloned.append(copy)
-        return self.clones[v]
-
-    def rematerializable(self, v: ir.Value, available: set[ir.Value]) -> bool:
-        """Produced in forward by a cheap op whose inputs backward has anyway (or can make cheaply)."""
-        node = v.producer()
-        return (node is not None and node in self.forward_nodes and _is_onnx(node, REMATERIALIZE_OPS)
-                and all(i is None or i in available or self.cheap(i) for i in node.inputs))
-
-    def rewire(self, bwd_list: list[ir.Node]) -> None:
-        for node in bwd_list:
-            for i, v in enumerate(node.inputs):
-                if v in self.clones:
-                    node.replace_input_with(i, self.clones[v])
-
-
-def _clone_name(node: ir.Node, k: int) -> str:
-    return f"{node.name}/recomputed" if node.name else f"{node.op_type}/recomputed_{k}"
-
-
-def _recompute(bwd_list, forward_nodes, fwd_input_index, seeds, leaves) -> list[ir.Node]:
-    """``bwd_list`` with forward work redone in front of it where that shrinks what is stashed:
-
-    1. layout chains from forward inputs and constants (a weight's ``Transpose``), so that forward keeps
-       fusing them and no copy of the weight is stashed;
-    2. cheap ops whose inputs are all stashed anyway (or are forward inputs or constants). One round
-       suffices: redoing them makes no new value cross, so no other op's inputs become available.
-    """
-    recompute = _Recompute(forward_nodes, leaves)
-    crossing = _crossing(bwd_list, forward_nodes, fwd_input_index, seeds)
-    for v in crossing:
-        if v.producer() is not None and recompute.cheap(v):
-            recompute.clone(v)
-    recompute.rewire(bwd_list)
-    crossing = _crossing(recompute.cloned + bwd_list, forward_nodes, fwd_input_index, seeds)
-    available = set(crossing)
-    targets = [v for v in crossing if v not in fwd_input_index and recompute.rematerializable(v, available)]
-    keep = available - set(targets)
-    for v in targets:
-        recompute.clone(v, keep)
-    recompute.rewire(recompute.cloned + bwd_list)
-    return recompute.cloned + bwd_list
-
-
 def _fresh_copy(value: ir.Value) -> ir.Value:
     return ir.Value(name=value.name, type=value.type, shape=value.shape, const_value=value.const_value)
 
@@ -196,8 +109,8 @@ def split_forward_backward(model: ir.Model, num_forward_outputs: int, num_output
     fwd_inputs, seeds = inputs[: len(inputs) - num_output_grads], inputs[len(inputs) - num_output_grads:]
     fwd_outputs, grads = list(graph.outputs[:num_forward_outputs]), list(graph.outputs[num_forward_outputs:])
 
-    forward_nodes = _ancestors(fwd_outputs)
-    backward_nodes = _ancestors(grads) - forward_nodes
+    forward_nodes = ancestors(fwd_outputs)
+    backward_nodes = ancestors(grads) - forward_nodes
     ordered = list(graph)
     backward_nodes.update(n for n in ordered if n not in forward_nodes and any(o in grads for o in n.outputs))
     bwd_list = [n for n in ordered if n in backward_nodes]
@@ -216,11 +129,8 @@ def split_forward_backward(model: ir.Model, num_forward_outputs: int, num_output
     graph.outputs.clear()
     graph.initializers.clear()
 
-    # What backward reads from the forward side, after moving cheap layout chains over.
+    # What backward reads from the forward side.
     fwd_input_index = {v: i for i, v in enumerate(fwd_inputs)}
-    leaves = set(fwd_input_index) | {v for v in initializers.values() if v.producer() is None}
-    bwd_list = _recompute(bwd_list, forward_nodes, fwd_input_index, seeds, leaves)
-    backward_nodes.update(bwd_list)
     crossing = _crossing(bwd_list, forward_nodes, fwd_input_index, seeds)
 
     stashed = [v for v in crossing if v not in fwd_input_index]

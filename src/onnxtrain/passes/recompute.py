@@ -1,0 +1,507 @@
+"""Recompute forward values in backward instead of keeping them, to a memory budget.
+
+Runs on the joint training graph (forward nodes, then the gradient nodes autodiff added) before the
+forward/backward split. A forward value that a gradient node reads is *stashed*: the forward graph
+returns it and it stays in memory until backward. Recomputing it means cloning the forward nodes that
+make it and pointing the gradient nodes at the clone; the split then puts the clones in backward, and the
+value is no longer stashed (only the clone's inputs are, which usually are stashed anyway).
+
+Candidates are the forward nodes with a stashed output (random ops never: a clone would draw again).
+Each candidate's subgraph is the node plus the forward nodes that make those of its inputs which are
+neither stashed nor at hand in backward (graph inputs, initializers, constants), up to
+``MAX_SUBGRAPH_NODES`` nodes; every node in it must be of a kind below. Its saving is the size of its
+stashed outputs (dims resolved with the actual input sizes: ``dims``); its cost is the work of the
+subgraph, per element for pointwise ops, ``2*M*N*K`` for a matrix product. Candidates are ranked by kind
+(cheap pointwise and layout ops, then transcendental and normalising ops, then matrix products), then by
+cost per byte saved; a budget takes them in that order until the stash fits it, so a smaller budget
+always recomputes a superset of what a larger one does.
+
+Plans (:class:`Recompute`):
+
+- ``Recompute()`` (the default): cheap pointwise and layout ops whose inputs are stashed anyway (one pass
+  over memory saves a whole activation; e.g. the ``Where(IsNaN(p), 0, p)`` after an attention softmax,
+  ``0.5 * x`` and ``1 + t`` in GPT-2's GELU). What the split did before this pass.
+- ``Recompute(budget=0.5)``: keep at most half the bytes stashed without recompute; ``budget=0`` as little
+  as the kinds allowed can make it; ``budget=2**30``: at most 1 GiB. ``kinds`` names the kinds tried:
+  by default pointwise and transcendental; ``kinds=KINDS`` adds matrix products.
+- ``Recompute(patterns={"Add+Gelu+": -1})``: the subgraphs of these patterns (op types joined by ``+``, as
+  ONNX Runtime Training's ``ORTMODULE_MEMORY_OPT_CONFIG`` named them), all of them or the first ``n``.
+
+Always (whatever the plan): chains of layout ops from graph inputs and constants (the ``Transpose`` of a
+weight before a ``MatMul``) are redone in backward, so that forward keeps fusing them and no copy of the
+weight is stashed.
+
+:func:`from_env` reads ONNX Runtime Training's variables: ``ORTMODULE_MEMORY_OPT_LEVEL`` (0: the default
+plan or the config's patterns; 1: ``budget=0`` over all kinds but matrix products, as its "transformer
+layerwise" level; 2: ``budget=0`` over all kinds) and ``ORTMODULE_MEMORY_OPT_CONFIG`` (a JSON file with a
+list of ``"pattern:1:count"`` strings, or those strings separated by commas).
+
+The plan is logged at INFO (logger ``onnxtrain.passes``), one line per pattern, as ONNX Runtime
+Training printed it: the pattern, how many there are, how many are on, and the bytes they save.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import operator
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+
+from onnxtrain.passes.split_forward_backward import ancestors
+
+logger = logging.getLogger("onnxtrain.passes")
+
+LEVEL_ENV = "ORTMODULE_MEMORY_OPT_LEVEL"
+CONFIG_ENV = "ORTMODULE_MEMORY_OPT_CONFIG"
+MAX_SUBGRAPH_NODES = 8
+
+# Kinds, cheapest first. Cost per output element of each op in the first two; matrix products by flops.
+LAYOUT = frozenset({"Transpose", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast", "Identity", "Constant"})
+POINTWISE = LAYOUT | frozenset({
+    "IsNaN", "IsInf", "Not", "And", "Or", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
+    "Where", "Neg", "Expand", "Add", "Sub", "Mul", "Div", "Relu", "Abs", "Max", "Min", "Clip",
+})
+TRANSCENDENTAL = frozenset({
+    "Gelu", "Tanh", "Erf", "Exp", "Log", "Sigmoid", "Sqrt", "Reciprocal", "Pow", "Softmax", "LogSoftmax",
+    "ReduceMean", "ReduceSum", "ReduceMax", "LayerNormalization", "Slice", "Concat", "Split", "Gather",
+})
+MATMUL = frozenset({"MatMul", "Gemm"})
+KINDS = ("pointwise", "transcendental", "matmul")
+# Matrix products only on request: on BERT-small at 4x batch, the plans that recomputed them raised the
+# peak RSS (1075 MB at budget 0.5 -> 1127 MB at 0.25 and 0.0) and the step time (BENCHMARKS.md).
+DEFAULT_KINDS = ("pointwise", "transcendental")
+_OPS = {"pointwise": POINTWISE, "transcendental": TRANSCENDENTAL, "matmul": MATMUL}
+_ELEMENT_COST = {"pointwise": 1.0, "transcendental": 4.0}
+SHAPE_OPS = frozenset({"Shape", "Size"})  # the split moves these into forward: their readers stay
+RANDOM_OPS = frozenset({"Dropout", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
+                        "Bernoulli", "Multinomial"})
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """What to recompute (see the module docstring). ``budget``: a fraction in [0, 1] of the bytes stashed
+    without recompute, or a number of bytes (an int above 1); None: the default plan, unless ``patterns``."""
+
+    budget: float | int | None = None
+    kinds: tuple[str, ...] = DEFAULT_KINDS
+    patterns: Mapping[str, int] = field(default_factory=dict)
+    # Sizes of symbolic dims, for the bytes each candidate saves; ORTModule adds those of the actual inputs.
+    dims: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.budget is not None:
+            if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) or self.budget < 0 \
+                    or (isinstance(self.budget, float) and self.budget > 1):
+                raise ValueError(f"recompute budget {self.budget!r}: use a fraction of the stashed bytes in "
+                                 "[0.0, 1.0], or a number of bytes (an int)")
+        unknown = [k for k in self.kinds if k not in KINDS]
+        if unknown:
+            raise ValueError(f"recompute kinds {unknown}: use some of {list(KINDS)}")
+
+    @classmethod
+    def of(cls, value) -> Recompute:
+        """A plan from a user's option: a :class:`Recompute`, None (the default), a budget, or a string
+        (``"0.5"``, ``"300MB"``, ``"2GiB"``, ``"off"`` for ``budget=1.0``)."""
+        if value is None:
+            return cls()
+        if isinstance(value, Recompute):
+            return value
+        if isinstance(value, str):
+            return cls(budget=parse_budget(value))
+        return cls(budget=value)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_budget(text: str) -> float | int:
+    """``"0.5"`` -> 0.5, ``"300MB"`` -> 300000000, ``"off"``/``"none"`` -> 1.0 (nothing recomputed)."""
+    raw = text.strip().lower()
+    if raw in ("off", "none"):
+        return 1.0
+    match = re.fullmatch(r"([0-9.]+)\s*([kmg]i?b|b)?", raw)
+    if match:
+        number, unit = match.group(1), match.group(2) or ""
+        try:
+            if not unit and "." in number:
+                return float(number)
+            return int(float(number) * _UNITS[unit])
+        except ValueError:
+            pass
+    raise ValueError(f"recompute budget {text!r}: use a fraction such as 0.5, a size such as 300MB or 2GiB, "
+                     "or off")
+
+
+def from_env(environ: Mapping[str, str] = os.environ) -> Recompute | None:
+    """The plan ONNX Runtime Training's variables ask for, or None where neither is set."""
+    level_raw = environ.get(LEVEL_ENV, "").strip()
+    config_raw = environ.get(CONFIG_ENV, "").strip()
+    if not level_raw and not config_raw:
+        return None
+    if level_raw not in ("", "0", "1", "2"):
+        raise ValueError(f"{LEVEL_ENV}={level_raw!r}: use 0 (the config's patterns), 1 (recompute all but "
+                         "matrix products) or 2 (recompute all)")
+    patterns = _parse_config(config_raw) if config_raw else {}
+    if level_raw == "1":
+        return Recompute(budget=0.0, kinds=("pointwise", "transcendental"), patterns=patterns)
+    if level_raw == "2":
+        return Recompute(budget=0.0, kinds=KINDS, patterns=patterns)
+    return Recompute(patterns=patterns)
+
+
+def _parse_config(raw: str) -> dict[str, int]:
+    if os.path.isfile(raw):
+        with open(raw, encoding="utf-8") as f:
+            entries = json.load(f)
+        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+            raise ValueError(f"{CONFIG_ENV}={raw!r}: the file must hold a JSON list of 'pattern:1:count' strings")
+    else:
+        entries = [e for e in raw.split(",") if e.strip()]
+    patterns = {}
+    for entry in entries:
+        parts = entry.strip().split(":")
+        if len(parts) != 3 or parts[1] != "1" or not re.fullmatch(r"-?[0-9]+", parts[2]):
+            raise ValueError(f"{CONFIG_ENV}: {entry!r} is not 'pattern:1:count' (type 1 is recompute; count -1 "
+                             "for all of the pattern)")
+        patterns[parts[0] if parts[0].endswith("+") else parts[0] + "+"] = int(parts[2])
+    return patterns
+
+
+# -------------------------------------------------------------------------------------------------
+# Sizes
+# -------------------------------------------------------------------------------------------------
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+           ast.Div: operator.floordiv, ast.Mod: operator.mod}
+
+
+def _eval_dim(text: str, dims: Mapping[str, int]) -> int | None:
+    """A symbolic dim (``"batch"``, ``"2*s0 + 1"``) with the symbols' sizes, or None."""
+    if text in dims:
+        return dims[text]
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name):
+            return dims.get(node.id)
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            left, right = value(node.left), value(node.right)
+            if left is None or right is None or (right == 0 and not isinstance(node.op, (ast.Add, ast.Sub, ast.Mult))):
+                return None
+            return _BINARY[type(node.op)](left, right)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("max", "min", "Max", "Min"):
+            args = [value(a) for a in node.args]
+            return None if None in args or not args else (max if node.func.id.lower() == "max" else min)(args)
+        return None
+
+    return value(tree)
+
+
+def value_bytes(value: ir.Value, dims: Mapping[str, int]) -> int | None:
+    """The size of ``value`` with symbolic dims resolved by ``dims``; None where a dim or the type is unknown."""
+    if value.shape is None or value.dtype is None:
+        return None
+    elements = 1
+    for d in value.shape:
+        size = d if isinstance(d, int) else None if d.value is None else _eval_dim(str(d.value), dims)
+        if size is None:
+            return None
+        elements *= size
+    return int(elements * value.dtype.itemsize)
+
+
+def dims_from_inputs(graph: ir.Graph, shapes: Iterable[tuple[int, ...] | None]) -> dict[str, int]:
+    """Symbol -> size, from the graph inputs' symbolic dims and the actual input shapes (in input order)."""
+    dims: dict[str, int] = {}
+    for value, shape in zip(graph.inputs, shapes):
+        if shape is None or value.shape is None or len(value.shape) != len(shape):
+            continue
+        for d, size in zip(value.shape, shape):
+            if isinstance(d, ir.SymbolicDim) and d.value is not None:
+                dims.setdefault(d.value, int(size))
+    return dims
+
+
+# -------------------------------------------------------------------------------------------------
+# The pass
+# -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Candidate:
+    node: ir.Node  # the forward node whose stashed outputs are recomputed
+    nodes: list[ir.Node]  # its subgraph, in graph order (the node last)
+    kind: str
+    saved: int  # bytes of its stashed outputs; 0 where unknown
+    cost: float
+    on: bool = False
+
+    @property
+    def pattern(self) -> str:
+        return "".join(f"{n.op_type}+" for n in self.nodes)
+
+
+@dataclass
+class Plan:
+    candidates: list[Candidate]
+    stashed_bytes: int  # without recompute (layout chains from leaves are always redone)
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(c.saved for c in self.candidates if c.on)
+
+    def table(self) -> str:
+        """One line per pattern: how many there are, how many are on, the bytes they save."""
+        rows: dict[str, list[Candidate]] = {}
+        for c in self.candidates:
+            rows.setdefault(c.pattern, []).append(c)
+        lines = [f"recompute plan: {self.saved_bytes / 2**20:.1f} of {self.stashed_bytes / 2**20:.1f} MiB of "
+                 f"stashed activations recomputed ({len(self.candidates)} candidates)",
+                 f"  {'pattern':<48} {'kind':<14} {'count':>5} {'on':>5} {'MiB saved':>10} {'MiB if all':>10}"]
+        for pattern, group in sorted(rows.items(), key=lambda kv: -sum(c.saved for c in kv[1])):
+            on = [c for c in group if c.on]
+            lines.append(f"  {pattern:<48} {group[0].kind:<14} {len(group):>5} {len(on):>5} "
+                         f"{sum(c.saved for c in on) / 2**20:>10.2f} {sum(c.saved for c in group) / 2**20:>10.2f}")
+        return "\n".join(lines)
+
+
+class RecomputePass(ir.passes.InPlacePass):
+    """Clone the planned forward subgraphs for the gradient nodes (see the module docstring).
+
+    ``num_forward_outputs``: the joint graph's first outputs are the forward's (the rest are gradients);
+    ``dims``: sizes of symbolic dims, over the plan's. After the call, ``self.plan`` is the plan it followed.
+    """
+
+    def __init__(self, num_forward_outputs: int, plan: Recompute | None = None, dims: Mapping[str, int] | None = None):
+        super().__init__()
+        self.num_forward_outputs = num_forward_outputs
+        self.options = plan or Recompute()
+        self.dims = {**self.options.dims, **(dims or {})}
+        self.plan: Plan | None = None
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        fwd_outputs = list(graph.outputs[: self.num_forward_outputs])
+        forward = ancestors(fwd_outputs)
+        order = {node: k for k, node in enumerate(graph)}
+        leaves = set(graph.inputs) | set(graph.initializers.values())
+        if not forward or len(forward) == len(order):
+            return ir.passes.PassResult(model, modified=False)
+        clones = _Clones(graph, forward, leaves)
+        modified = clones.layout_chains()
+        stashed = _stashed(graph, forward, leaves)
+        # Layout chains from leaves are redone whatever the plan: for a candidate they are leaves too.
+        candidates = _candidates(stashed, forward, leaves | set(clones.of), set(fwd_outputs), order, self.dims,
+                                 self.options.kinds)
+        plan = Plan(candidates, sum(_size(v, self.dims) for v in stashed if v not in fwd_outputs))
+        _choose(plan, self.options)
+        for c in sorted((c for c in candidates if c.on), key=lambda c: order[c.node]):
+            clones.recompute(c.nodes)
+            modified = True
+        self.plan = plan
+        if candidates:
+            logger.info("%s", plan.table())
+        return ir.passes.PassResult(model, modified=modified)
+
+
+def _is_onnx(node: ir.Node) -> bool:
+    return node.domain in ("", "ai.onnx")
+
+
+def _kind(node: ir.Node) -> str | None:
+    if node.domain == "com.microsoft" and node.op_type in ("Gelu", "FastGelu", "BiasGelu"):
+        return "transcendental"
+    if not _is_onnx(node) or node.op_type in RANDOM_OPS:
+        return None
+    for kind in KINDS:
+        if node.op_type in _OPS[kind]:
+            return kind
+    return None
+
+
+def _backward_readers(value: ir.Value, forward: set[ir.Node]) -> list[tuple[ir.Node, int]]:
+    """The gradient nodes reading ``value``, but for Shape/Size (the split runs those in forward)."""
+    return [(node, i) for node, i in value.uses()
+            if node not in forward and not (_is_onnx(node) and node.op_type in SHAPE_OPS)]
+
+
+def _stashed(graph: ir.Graph, forward: set[ir.Node], leaves: set[ir.Value]) -> list[ir.Value]:
+    seen: dict[ir.Value, None] = {}
+    for node in graph:
+        if node in forward:
+            continue
+        for v in node.inputs:
+            if v is not None and v not in leaves and v.producer() in forward and v not in seen \
+                    and not (_is_onnx(node) and node.op_type in SHAPE_OPS):
+                seen[v] = None
+    return list(seen)
+
+
+def _size(value: ir.Value, dims: Mapping[str, int]) -> int:
+    return value_bytes(value, dims) or 0
+
+
+def _elements(value: ir.Value, dims: Mapping[str, int]) -> int:
+    size = _size(value, dims)
+    return int(size // value.dtype.itemsize) if size else 0
+
+
+def _node_cost(node: ir.Node, kind: str, dims: Mapping[str, int]) -> float:
+    out = sum(_elements(v, dims) for v in node.outputs)
+    if kind != "matmul":
+        return _ELEMENT_COST[kind] * out
+    a = node.inputs[0]
+    inner = a.shape[-1] if a.shape is not None and len(a.shape) else None
+    if node.op_type == "Gemm" and node.attributes.get_int("transA", 0) and a.shape is not None:
+        inner = a.shape[0]
+    k = inner if isinstance(inner, int) else None if inner is None or inner.value is None else _eval_dim(str(inner.value), dims)
+    return 2.0 * out * (k or 1)
+
+
+def _candidates(stashed: list[ir.Value], forward: set[ir.Node], leaves: set[ir.Value], kept: set[ir.Value],
+                order: dict[ir.Node, int], dims: Mapping[str, int], kinds: Iterable[str]) -> list[Candidate]:
+    allowed = set(kinds)
+    stash = set(stashed)
+    by_node: dict[ir.Node, list[ir.Value]] = {}
+    for v in stashed:
+        if v not in kept:
+            by_node.setdefault(v.producer(), []).append(v)
+    found = []
+    for node, outs in by_node.items():
+        nodes = _subgraph(node, stash, leaves)
+        if nodes is None:
+            continue
+        node_kinds = [_kind(n) for n in nodes]
+        if any(k is None for k in node_kinds):
+            continue
+        kind = max(node_kinds, key=KINDS.index)
+        if kind not in allowed and not (kind == "pointwise" and len(nodes) == 1):
+            continue
+        nodes.sort(key=order.get)
+        cost = sum(_node_cost(n, _kind(n), dims) for n in nodes)
+        found.append(Candidate(node, nodes, kind, sum(_size(v, dims) for v in outs), cost))
+    return found
+
+
+def _subgraph(node: ir.Node, stash: set[ir.Value], leaves: set[ir.Value]) -> list[ir.Node] | None:
+    """``node`` and the producers of its inputs that are neither stashed nor leaves, recursively; None if
+    that takes more than MAX_SUBGRAPH_NODES nodes."""
+    nodes, stack = [node], [node]
+    seen = {node}
+    while stack:
+        for v in stack.pop().inputs:
+            if v is None or v in stash or v in leaves:
+                continue
+            producer = v.producer()
+            if producer is None:
+                return None
+            if producer not in seen:
+                seen.add(producer)
+                nodes.append(producer)
+                stack.append(producer)
+                if len(nodes) > MAX_SUBGRAPH_NODES:
+                    return None
+    return nodes
+
+
+def _choose(plan: Plan, options: Recompute) -> None:
+    """Turn candidates on: the patterns asked for, then the default plan or a budget's prefix."""
+    counts = dict(options.patterns)
+    for c in plan.candidates:
+        left = counts.get(c.pattern)
+        if left is not None and left != 0:
+            c.on = True
+            counts[c.pattern] = left - 1
+    if options.budget is None:
+        if not options.patterns:
+            for c in plan.candidates:
+                c.on = c.on or (c.kind == "pointwise" and len(c.nodes) == 1)
+        return
+    target = options.budget if isinstance(options.budget, int) and options.budget > 1 \
+        else options.budget * plan.stashed_bytes
+    ranked = sorted((c for c in plan.candidates if c.saved > 0),
+                    key=lambda c: (KINDS.index(c.kind), c.cost / c.saved, c.pattern))
+    stash = plan.stashed_bytes - plan.saved_bytes
+    for c in ranked:
+        if stash <= target:
+            break
+        if not c.on:
+            c.on = True
+            stash -= c.saved
+
+
+class _Clones:
+    """Clones forward nodes so that the gradient nodes read the clones' outputs."""
+
+    def __init__(self, graph: ir.Graph, forward: set[ir.Node], leaves: set[ir.Value]):
+        self.graph, self.forward, self.leaves = graph, forward, leaves
+        self.of: dict[ir.Value, ir.Value] = {}  # forward value -> its clone
+        # Clones go after the last forward node, in the order made (each after the ones it reads).
+        self._cursor = max(forward, key={n: k for k, n in enumerate(graph)}.get) if forward else None
+
+    def layout_chains(self) -> bool:
+        """Clone layout chains from leaves that some gradient node reads (a weight's Transpose)."""
+        memo: dict[ir.Value, bool] = {}
+
+        def from_leaves(v: ir.Value | None) -> bool:
+            if v is None or v in self.leaves:
+                return True
+            if v not in memo:
+                node = v.producer()
+                memo[v] = (node is not None and node in self.forward and _is_onnx(node) and node.op_type in LAYOUT
+                           and all(from_leaves(i) for i in node.inputs))
+            return memo[v]
+
+        chains = [v for v in _stashed(self.graph, self.forward, self.leaves) if from_leaves(v)]
+        for v in chains:
+            self.recompute(_chain(v, self.leaves))
+        return bool(chains)
+
+    def recompute(self, nodes: list[ir.Node]) -> None:
+        """Clone ``nodes`` (in graph order) after the forward nodes; point the gradient nodes that read
+        their outputs (earlier clones included) at the clones."""
+        for node in nodes:
+            if node.outputs[0] in self.of:
+                continue
+            inputs = [self.of.get(v, v) if v is not None else None for v in node.inputs]
+            attributes = [ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()]
+            copy = ir.Node(node.domain, node.op_type, inputs, attributes=attributes,
+                           num_outputs=len(node.outputs), name=_clone_name(node, len(self.of)))
+            for old, new in zip(node.outputs, copy.outputs):
+                new.name = f"{old.name}/recomputed" if old.name else None
+                new.type, new.shape = old.type, old.shape
+                self.of[old] = new
+            self.graph.insert_after(self._cursor, copy)
+            self._cursor = copy
+            for old, new in zip(node.outputs, copy.outputs):
+                for reader, i in _backward_readers(old, self.forward):
+                    reader.replace_input_with(i, new)
+
+
+def _clone_name(node: ir.Node, k: int) -> str:
+    return f"{node.name}/recomputed" if node.name else f"{node.op_type}/recomputed_{k}"
+
+
+def _chain(value: ir.Value, leaves: set[ir.Value]) -> list[ir.Node]:
+    nodes: list[ir.Node] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if v is None or v in leaves:
+            continue
+        node = v.producer()
+        if node not in nodes:
+            nodes.append(node)
+            stack.extend(node.inputs)
+    return nodes[::-1]

@@ -1,0 +1,49 @@
+"""generate_artifacts(recompute=...): the training model gives PyTorch's loss and gradients at every budget,
+and a smaller budget recomputes more."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from onnxtrain.passes.recompute import KINDS, Recompute
+from tests.ondevice.helpers import generate
+
+
+def _gradients(paths, model, x, labels):
+    session = ort.InferenceSession(str(paths.training_model), providers=["CPUExecutionProvider"])
+    feeds = {"x": x, "labels": labels, **{n: p.detach().numpy() for n, p in model.named_parameters()}}
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})))
+
+
+@pytest.mark.parametrize("budget", [None, 0.5, 0.0])
+def test_training_model_matches_torch_at_every_budget(mlp_onnx, tmp_path, caplog, budget):
+    model, path = mlp_onnx
+    params = [n for n, _ in model.named_parameters()]
+    # The MLP's activations come out of Gemms: recomputing them takes the matrix products too.
+    plan = None if budget is None else Recompute(budget=budget, kinds=KINDS, dims={"batch": 8})
+    with caplog.at_level(logging.INFO, logger="onnxtrain.passes"):
+        paths = generate(path, tmp_path, requires_grad=params, loss="crossentropy", recompute=plan)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+    labels = rng.integers(0, 4, 8).astype(np.int64)
+    got = _gradients(paths, model, x, labels)
+    model.train()
+    model.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(labels))
+    loss.backward()
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5)
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(got[f"{name}_grad"], p.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+    recomputed = [n for n in onnx.load(str(paths.training_model)).graph.node if n.name.endswith("recomputed")
+                  or "/recomputed" in n.name]
+    if budget == 0.0:
+        assert recomputed and "recompute plan:" in caplog.text
+    if budget is None:
+        assert not recomputed

@@ -1,0 +1,169 @@
+"""The recompute pass: the joint graph gives the same values before and after it (onnxruntime), the split
+after it stashes fewer bytes as the budget falls, and its plan and knobs read as documented."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from onnxtrain.autodiff import gradient_model
+from onnxtrain.passes import split_forward_backward
+from onnxtrain.passes.recompute import KINDS, Recompute, RecomputePass, from_env, parse_budget, value_bytes
+
+RNG = np.random.default_rng(0)
+BATCH, HIDDEN = 6, 8
+
+
+def _run(model, feeds):
+    proto = model if isinstance(model, onnx.ModelProto) else ir.to_proto(model)
+    proto.ir_version = min(proto.ir_version, 10)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    return session.run(None, dict(zip(names, feeds)))
+
+
+def _block() -> onnx.ModelProto:
+    """Two MLP layers with a bias, a GELU made of pointwise ops and Erf, a Tanh and a Softmax head."""
+    f = TensorProto.FLOAT
+    nodes = []
+    h = "x"
+    for k in range(2):
+        nodes += [
+            helper.make_node("MatMul", [h, f"w{k}"], [f"m{k}"]),
+            helper.make_node("Add", [f"m{k}", f"b{k}"], [f"a{k}"]),
+            helper.make_node("Mul", [f"a{k}", "inv_sqrt2"], [f"s{k}"]),
+            helper.make_node("Erf", [f"s{k}"], [f"e{k}"]),
+            helper.make_node("Add", [f"e{k}", "one"], [f"p{k}"]),
+            helper.make_node("Mul", [f"a{k}", f"p{k}"], [f"q{k}"]),
+            helper.make_node("Mul", [f"q{k}", "half"], [f"g{k}"]),
+            helper.make_node("Tanh", [f"g{k}"], [f"t{k}"]),
+        ]
+        h = f"t{k}"
+    nodes.append(helper.make_node("Softmax", [h], ["y"], axis=-1))
+    inputs = [helper.make_tensor_value_info("x", f, ["batch", HIDDEN])]
+    for k in range(2):
+        inputs += [helper.make_tensor_value_info(f"w{k}", f, [HIDDEN, HIDDEN]),
+                   helper.make_tensor_value_info(f"b{k}", f, [HIDDEN])]
+    consts = [helper.make_tensor(n, f, [], [v]) for n, v in (("inv_sqrt2", 0.5 ** 0.5), ("one", 1.0), ("half", 0.5))]
+    graph = helper.make_graph(nodes, "block", inputs, [helper.make_tensor_value_info("y", f, ["batch", HIDDEN])],
+                              initializer=consts)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    return model
+
+
+def _feeds():
+    x = RNG.standard_normal((BATCH, HIDDEN)).astype(np.float32)
+    params = []
+    for _ in range(2):
+        params += [RNG.standard_normal((HIDDEN, HIDDEN)).astype(np.float32) / 3,
+                   RNG.standard_normal(HIDDEN).astype(np.float32)]
+    return [x, *params], RNG.standard_normal((BATCH, HIDDEN)).astype(np.float32)
+
+
+def _training() -> onnx.ModelProto:
+    return gradient_model(_block(), wrt=["x", "w0", "b0", "w1", "b1"])
+
+
+def _stashed_bytes(split, dims) -> int:
+    outputs = list(split.forward.graph.outputs)
+    return sum(value_bytes(outputs[i], dims) or 0 for i in split.stashed_outputs)
+
+
+def _recompute_and_split(plan: Recompute, inputs, dy):
+    """Run the pass on the joint graph, then split it; both must give the joint graph's values."""
+    training = _training()
+    want = _run(training, [*inputs, dy])
+    model = ir.from_proto(training)
+    recompute = RecomputePass(num_forward_outputs=1, plan=plan, dims={"batch": BATCH})
+    recompute(model)
+    after = _run(model, [*inputs, dy])
+    for got, expected in zip(after, want):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    split = split_forward_backward(model, num_forward_outputs=1, num_output_grads=1)
+    outs = _run(split.forward, inputs)
+    grads = _run(split.backward, [dy] + [outs[i] for i in split.stashed_outputs]
+                 + [inputs[j] for j in split.reused_inputs])
+    for got, expected in zip(grads, want[1:]):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    return recompute.plan, split
+
+
+def test_smaller_budgets_stash_fewer_bytes_with_the_same_gradients():
+    inputs, dy = _feeds()
+    dims = {"batch": BATCH}
+    stashed = []
+    for budget in (1.0, 0.75, 0.5, 0.25, 0.0):
+        plan, split = _recompute_and_split(Recompute(budget=budget, kinds=KINDS), inputs, dy)
+        stashed.append(_stashed_bytes(split, dims))
+        kept = plan.stashed_bytes - plan.saved_bytes
+        assert budget == 0.0 or kept <= budget * plan.stashed_bytes
+    assert stashed == sorted(stashed, reverse=True) and stashed[-1] < stashed[0], stashed
+    # budget 1.0 recomputes nothing: every stashed forward value is read by backward as it is
+    plan, _ = _recompute_and_split(Recompute(budget=1.0), inputs, dy)
+    assert plan.saved_bytes == 0
+
+
+def test_cheap_kinds_go_first_and_matmuls_only_when_allowed():
+    inputs, dy = _feeds()
+    half, _ = _recompute_and_split(Recompute(budget=0.5, kinds=KINDS), inputs, dy)
+    on = [c for c in half.candidates if c.on]
+    off = [c for c in half.candidates if not c.on and c.saved]
+    order = ("pointwise", "transcendental", "matmul")
+    assert on and max(order.index(c.kind) for c in on) <= min((order.index(c.kind) for c in off), default=2)
+    no_matmul, _ = _recompute_and_split(Recompute(budget=0.0, kinds=("pointwise", "transcendental")), inputs, dy)
+    assert not any(c.on and c.kind == "matmul" for c in no_matmul.candidates)
+    assert Recompute(budget=0.0) == Recompute(budget=0.0, kinds=("pointwise", "transcendental"))
+    everything, split = _recompute_and_split(Recompute(budget=0.0, kinds=KINDS), inputs, dy)
+    assert everything.saved_bytes >= no_matmul.saved_bytes
+
+
+def test_default_plan_redoes_single_cheap_ops_only():
+    inputs, dy = _feeds()
+    plan, split = _recompute_and_split(Recompute(), inputs, dy)
+    assert all(c.on == (c.kind == "pointwise" and len(c.nodes) == 1) for c in plan.candidates)
+    backward_ops = {n.op_type for n in split.backward.graph}
+    assert "Erf" not in backward_ops and "Tanh" not in backward_ops
+
+
+def test_patterns_turn_on_exactly_those_subgraphs():
+    inputs, dy = _feeds()
+    plan, _ = _recompute_and_split(Recompute(), inputs, dy)
+    pattern = next(c.pattern for c in plan.candidates if c.kind == "transcendental")
+    chosen, split = _recompute_and_split(Recompute(patterns={pattern: 1}), inputs, dy)
+    assert [c.pattern for c in chosen.candidates if c.on] == [pattern]
+
+
+def test_plan_is_logged_as_a_table(caplog):
+    inputs, dy = _feeds()
+    with caplog.at_level(logging.INFO, logger="onnxtrain.passes"):
+        _recompute_and_split(Recompute(budget=0.5), inputs, dy)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "recompute plan:" in text and "MiB saved" in text and "Erf+" in text
+
+
+def test_knobs_parse_and_bad_values_say_what_to_use(tmp_path):
+    assert parse_budget("0.5") == 0.5 and parse_budget("300MB") == 300_000_000 and parse_budget("2GiB") == 2 ** 31
+    assert parse_budget("off") == 1.0
+    assert Recompute.of("1GiB").budget == 2 ** 30 and Recompute.of(None) == Recompute()
+    with pytest.raises(ValueError, match="fraction"):
+        parse_budget("half")
+    with pytest.raises(ValueError, match="fraction"):
+        Recompute(budget=1.5)
+    assert from_env({}) is None
+    assert from_env({"ORTMODULE_MEMORY_OPT_LEVEL": "2"}) == Recompute(budget=0.0, kinds=KINDS)
+    assert from_env({"ORTMODULE_MEMORY_OPT_LEVEL": "1"}).kinds == ("pointwise", "transcendental")
+    assert from_env({"ORTMODULE_MEMORY_OPT_CONFIG": "Mul+Erf+:1:-1,Tanh:1:2"}).patterns == {"Mul+Erf+": -1, "Tanh+": 2}
+    config = tmp_path / "mem.json"
+    config.write_text('["Add+:1:-1"]')
+    assert from_env({"ORTMODULE_MEMORY_OPT_CONFIG": str(config)}).patterns == {"Add+": -1}
+    with pytest.raises(ValueError, match="pattern:1:count"):
+        from_env({"ORTMODULE_MEMORY_OPT_CONFIG": "Add+:0:-1"})
+    with pytest.raises(ValueError, match="ORTMODULE_MEMORY_OPT_LEVEL"):
+        from_env({"ORTMODULE_MEMORY_OPT_LEVEL": "3"})
