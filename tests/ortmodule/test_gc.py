@@ -39,7 +39,9 @@ def test_leaves_a_freeze_it_did_not_make_and_a_disabled_collector_alone():
         frozen = gc.get_freeze_count()
         with gc_util.young_objects_only():
             pass
-        assert gc.get_freeze_count() == frozen
+        # Neither unfrozen (the count would be 0) nor frozen again (it would grow). Frozen objects that die
+        # during the block leave the permanent generation, so the count may fall: it is not compared equal.
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
     gc.disable()

@@ -26,6 +26,7 @@ from onnxtrain.capture.flatten import Constant, Spec, flatten, unflatten
 from onnxtrain.capture.moe import moe_translations
 from onnxtrain.capture.promotion import needs_type_promotion
 from onnxtrain.capture.quiet import quiet_exporter, summary
+from onnxtrain.capture.refuse import refused_reason
 from onnxtrain.capture.registry import lazy_registry, registry_key
 from onnxtrain.capture.stop_gradient import mark_stop_gradients
 from onnxtrain.capture.translations import TRANSLATIONS
@@ -109,6 +110,9 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, verbose: bool
             raise TraceDependsOnExample(f"{exc}; torch.export failed too (log level INFO shows why)" if errors
                                         else str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - any exporter failure: try the next, report all
+            refused = refused_reason(exc)
+            if refused is not None:  # an op no exporter translates exactly: no other exporter is tried
+                raise ExportError(refused) from None
             errors.append(f"{label} failed: {type(exc).__name__}: {exc}")
             logger.info("export: %s", errors[-1])
     else:
