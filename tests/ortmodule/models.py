@@ -22,6 +22,17 @@ class MLP(nn.Module):
         return nn.functional.cross_entropy(logits, labels), logits
 
 
+class Unexportable(nn.Module):
+    """A forward that leaves torch (through numpy): no exporter follows it, so ORTModule falls back."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.fc(torch.from_numpy(x.detach().numpy() * 2))
+
+
 class CNN(nn.Module):
     """Conv-BatchNorm blocks; convs have no bias: BatchNorm cancels it, so its gradient is pure rounding
     noise, which Adam would amplify into parameter noise in both runs."""

@@ -63,15 +63,7 @@ def test_fallback_off_raises_through_env_and_options(monkeypatch):
 def test_export_error_falls_back(monkeypatch):
     monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
 
-    class Unexportable(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = torch.nn.Linear(2, 2)
-
-        def forward(self, x):
-            return self.fc(torch.from_numpy(x.detach().numpy() * 2))  # leaves torch: no exporter follows
-
-    model = ORTModule(Unexportable())
+    model = ORTModule(models.Unexportable())
     with pytest.warns(UserWarning, match="falls back to PyTorch.*ExportError"):
         out = model(torch.ones(1, 2))
     assert out.shape == (1, 2)

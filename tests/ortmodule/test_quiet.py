@@ -10,6 +10,7 @@ import torch
 
 from onnxtrain import DebugOptions, ORTModule
 from onnxtrain.capture.quiet import quiet_exporter, summary
+from tests.ortmodule.models import Unexportable
 
 
 def test_export_prints_nothing_at_the_default_level(capfd):
@@ -47,14 +48,6 @@ def test_summary_is_one_short_line():
 
 def test_fallback_warning_is_short_and_names_where_the_details_are(monkeypatch):
     monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
-
-    class Unexportable(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = torch.nn.Linear(2, 2)
-
-        def forward(self, x):
-            return self.fc(torch.from_numpy(x.detach().numpy() * 2))  # leaves torch: no exporter follows
 
     model = ORTModule(Unexportable(), DebugOptions())
     with pytest.warns(UserWarning, match="falls back to PyTorch") as caught:
