@@ -55,6 +55,14 @@ RANDOM = {
     "svd_lowrank": "draws a random projection",
     "pca_lowrank": "draws a random projection",
 }
+# Ops that draw random numbers only with some arguments: (why, whether this sample does).
+RANDOM_WHEN = {
+    "nn.functional.multi_head_attention_forward": (
+        "draws random numbers (attention dropout, dropout_p > 0, in training)",
+        lambda sample: bool(sample.kwargs.get("training", True))
+        and float(sample.kwargs.get("dropout_p", sample.args[9] if len(sample.args) > 9 else 0.0)) > 0,
+    ),
+}
 # Ops that pick one of several equal elements, where PyTorch leaves which one unspecified: a sample whose
 # tensors hold repeated values is skipped (the index, and where the gradient goes, may differ).
 TIES = {
@@ -334,6 +342,9 @@ def run_sample(op, sample, mode: str, index: int = 0) -> Result:
     result = Result(name, index, mode, "skip")
     if name in RANDOM:
         result.reason = RANDOM[name]
+        return result
+    if name in RANDOM_WHEN and RANDOM_WHEN[name][1](sample):
+        result.reason = RANDOM_WHEN[name][0]
         return result
     structure = (sample.input, tuple(sample.args), dict(sample.kwargs))
     leaves = _leaves(structure, [])

@@ -28,3 +28,9 @@ def special_log_ndtr(self):
     raise Refused("special.log_ndtr: the ONNX translation underflows to -inf for large negative inputs, where "
                   "PyTorch is finite; it runs in PyTorch")
 
+
+
+def special_erfcx(self):
+    """``torch.special.erfcx``: the exporter's translation differed from PyTorch's by up to 0.13 on op_db's samples."""
+    raise Refused("special.erfcx: the ONNX translation differs from PyTorch's (by up to 0.13 on PyTorch's own "
+                  "test samples); it runs in PyTorch")

@@ -12,7 +12,7 @@
 - ``aten.avg_pool2d`` / ``aten.avg_pool3d``: ``divisor_override`` applied (:mod:`.pooling`).
 - ``aten._safe_softmax``: no NaN gradient from rows of only ``-inf`` (:mod:`.softmax`).
 - ``aten.scatter_reduce.two`` with ``reduce="mean"``: the mean, not a plain scatter (:mod:`.scatter_reduce`).
-- ``aten.special_log_ndtr``: refused, so the module runs in PyTorch (:mod:`.refuse`).
+- ``aten.special_log_ndtr``, ``aten.special_erfcx``: refused, so the module runs in PyTorch (:mod:`.refuse`).
 - ``onnxtrain.stop_gradient`` (``detach()``, ``no_grad`` blocks): ``StopGradient`` in the ``onnxtrain``
   domain (:mod:`.stop_gradient`).
 """
@@ -25,7 +25,7 @@ from onnxscript import opset18 as op
 from onnxtrain.capture.attention import scaled_dot_product_attention
 from onnxtrain.capture.batchnorm import batch_norm_functional, native_batch_norm
 from onnxtrain.capture.pooling import avg_pool2d, avg_pool3d
-from onnxtrain.capture.refuse import special_log_ndtr
+from onnxtrain.capture.refuse import special_erfcx, special_log_ndtr
 from onnxtrain.capture.scatter_reduce import scatter_reduce
 from onnxtrain.capture.softmax import safe_softmax
 from onnxtrain.capture.stop_gradient import translate_stop_gradient
@@ -92,5 +92,6 @@ TRANSLATIONS = {
     torch.ops.aten.avg_pool3d.default: avg_pool3d,
     torch.ops.aten.scatter_reduce.two: scatter_reduce,
     torch.ops.aten.special_log_ndtr.default: special_log_ndtr,
+    torch.ops.aten.special_erfcx.default: special_erfcx,
     torch.ops.onnxtrain.stop_gradient.default: translate_stop_gradient,
 }
