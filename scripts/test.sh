@@ -47,4 +47,4 @@ echo "== tier: slow (the examples run end to end: demo progress, exported files 
 python -m pytest -m "slow and not flower"
 
 echo "== tier: the whole OpInfo sweep through ORTModule (tests/opinfo, -m opinfo_full; about 10 minutes here)"
-python -m pytest -m opinfo_full tests/opinfo
+python -m pytest -s -m opinfo_full tests/opinfo

@@ -69,5 +69,8 @@ def test_full_sweep_has_no_error_and_nothing_wrong():
         results = list(harness.sweep())
     except ModuleNotFoundError as exc:
         pytest.skip(f"op_db cannot be imported: {exc}")
+    from tests.opinfo.table import table
+
+    print("\n" + table(results))  # the log of the tier shows docs/opinfo.md's table as it is now (pytest -s)
     bad = [f"{r.status} {r.op} #{r.index} ({r.mode}): {r.reason}" for r in results if r.status in ("error", "wrong")]
     assert not bad, f"{len(bad)} samples wrong or raising:\n" + "\n".join(bad)
