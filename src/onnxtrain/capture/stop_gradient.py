@@ -5,8 +5,9 @@ becomes an ``Identity`` (or nothing) and a ``torch.no_grad()`` block becomes ord
 gradient engine would differentiate through both, where PyTorch does not. Before the exporter
 translates the program, this module marks those places with ``onnxtrain::stop_gradient``, a custom op
 that the exporter translates to ``StopGradient`` in the ``onnxtrain`` ONNX domain; the gradient engine
-gives it no gradient, and :func:`onnxtrain.passes.stop_gradient.strip_stop_gradients` makes it an
-``Identity`` before a graph reaches onnxruntime.
+gives it no gradient, and :class:`onnxtrain.passes.strip_stop_gradients.StripStopGradientsPass` (on
+protos, :func:`onnxtrain.autodiff.stop_gradient.strip_stop_gradients`) makes it an ``Identity`` before a
+graph reaches onnxruntime.
 
 - ``aten.detach(x)`` becomes ``stop_gradient(x)``.
 - ``aten.detach_(x)`` (in place) becomes ``y = stop_gradient(x)``, and every later use of ``x`` reads ``y``.
