@@ -219,3 +219,54 @@ def test_merge_with_an_int8_base_keeps_the_loss(peft_llama, tmp_path):
         from onnxtrain.ondevice.lora_merge import merge_adapters
 
         merge_adapters(onnx.load(tmp_path / "eval_model.onnx"), {})
+
+
+def test_adapters_onnxtrain_adds_itself_train_as_peft(tmp_path):
+    """A plain Llama export (no PEFT): target_modules adds the adapters; PEFT started from the same base and
+    the same initial adapters trains to losses within 1e-4 over 20 steps, and merging matches PEFT's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    plain = WithLoss(LlamaForCausalLM(config)).eval()
+    ids, labels = (torch.from_numpy(a) for a in _batches(1)[0])
+    torch.onnx.export(copy.deepcopy(plain), (ids, labels), dynamo=True, input_names=["input_ids", "labels"],
+                      output_names=["loss"], optimize=False, verbose=False,
+                      dynamic_shapes=({0: "batch", 1: "seq"}, {0: "batch", 1: "seq"})).save(str(tmp_path / "plain.onnx"))
+    out = tmp_path / "artifacts"
+    generate_lora_artifacts(tmp_path / "plain.onnx", target_modules=["q_proj", "v_proj"], r=4, alpha=8, seed=3,
+                            loss=None, optimizer="adamw", artifact_directory=out)
+    start = CheckpointState.load_checkpoint(out / "checkpoint")
+    ours = [n for n in start.parameters if start.parameters[n].requires_grad]
+    assert len(ours) == 8 and all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in ours)
+
+    reference = WithLoss(peft.get_peft_model(copy.deepcopy(plain.model), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))).train()
+    peft_name = lambda n: n.replace("model.", "model.base_model.model.", 1).replace(".weight", ".default.weight")  # noqa: E731
+    with torch.no_grad():
+        params = dict(reference.named_parameters())
+        assert sorted(peft_name(n) for n in ours) == sorted(n for n, p in params.items() if p.requires_grad)
+        for name in ours:
+            params[peft_name(name)].copy_(torch.from_numpy(start.parameters[name].data))
+    optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
+    ref_losses = []
+    for x, y in _batches():
+        optimizer.zero_grad()
+        loss = reference(torch.from_numpy(x), torch.from_numpy(y))
+        loss.backward()
+        optimizer.step()
+        ref_losses.append(loss.item())
+    state, module, losses = _train(out)
+    assert ref_losses[-1] < ref_losses[0]
+    assert_losses_close(losses, ref_losses, rtol=1e-4)
+    for name in ours:
+        np.testing.assert_allclose(state.parameters[name].data, params[peft_name(name)].detach().numpy(),
+                                   rtol=1e-3, atol=1e-5)
+    module.export_model_for_inferencing(tmp_path / "merged.onnx", ["loss"], merge_adapters=True)
+    x, y = _batches(1, seed=1)[0]
+    with torch.no_grad():
+        merged_ref = WithLoss(reference.model.merge_and_unload())(torch.from_numpy(x), torch.from_numpy(y)).item()
+    assert _run_loss(tmp_path / "merged.onnx", x, y) == pytest.approx(merged_ref, rel=1e-5)
+    with pytest.raises(ValueError, match="no linear layer matches"):
+        generate_lora_artifacts(tmp_path / "plain.onnx", target_modules=["qkv"], artifact_directory=tmp_path / "x")

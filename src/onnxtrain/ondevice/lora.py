@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import onnx
 
 from onnxtrain.ondevice.artifacts import Artifacts, generate_artifacts
+from onnxtrain.ondevice.lora_add import add_lora_adapters
 from onnxtrain.ondevice.lora_quant import quantize_base_int8, quantize_rows_int8
 from onnxtrain.utils.io import load_model
 
@@ -47,10 +48,13 @@ def split_parameters(model: onnx.ModelProto, adapter_markers: Sequence[str] = AD
 
 
 def generate_lora_artifacts(model: onnx.ModelProto | str | os.PathLike, base: str = "float32",
-                            adapter_markers: Sequence[str] = ADAPTER_MARKERS, **kwargs) -> Artifacts:
+                            adapter_markers: Sequence[str] = ADAPTER_MARKERS, target_modules: Sequence[str] | None = None,
+                            r: int = 8, alpha: float = 16, seed: int = 0, **kwargs) -> Artifacts:
     """:func:`generate_artifacts` training the LoRA adapters only; the base frozen, stored once, as
-    ``base`` ("float32", or "int8": per-row int8 matrices). Other arguments go to generate_artifacts
-    (``loss``, ``optimizer``, ``artifact_directory``, ...)."""
+    ``base`` ("float32", or "int8": per-row int8 matrices). ``target_modules`` (a model without adapters):
+    onnxtrain adds rank-``r`` adapters scaled by ``alpha / r`` to these linear layers itself
+    (:func:`onnxtrain.ondevice.lora_add.add_lora_adapters`, A drawn with ``seed``, B zero). Other arguments
+    go to generate_artifacts (``loss``, ``optimizer``, ``artifact_directory``, ...)."""
     if base not in BASE_FORMATS:
         raise ValueError(f"base must be one of {BASE_FORMATS}, got {base!r}")
     for key in ("requires_grad", "frozen_params"):
@@ -58,6 +62,8 @@ def generate_lora_artifacts(model: onnx.ModelProto | str | os.PathLike, base: st
             raise TypeError(f"generate_lora_artifacts chooses {key} itself (adapters train, the base is frozen); "
                             "call generate_artifacts to choose them")
     proto = load_model(model)
+    if target_modules is not None:
+        proto = add_lora_adapters(proto, target_modules, r=r, alpha=alpha, seed=seed)
     adapters, frozen = split_parameters(proto, adapter_markers)
     if base == "int8":
         proto, frozen = quantize_base_int8(proto, frozen)
