@@ -204,8 +204,22 @@ def _chunk_loop(op: GraphBuilder, optimizer, flat: list[ir.Value], coef: ir.Valu
     return list(new) if len(outs) > 1 else [new]
 
 
-def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dtype, tuple[int, ...]]]) -> onnx.ModelProto:
-    """The optimizer model for ``params`` (name, element type, shape of each trainable parameter, in order)."""
+def _whole(op: GraphBuilder, optimizer, flat: list[ir.Value], coef: ir.Value | None,
+           k: dict[str, ir.Value]) -> list[ir.Value]:
+    """The optimizer's update over the whole [chunks, chunk] vectors at once, without a ``Scan``."""
+    p, g, *states = flat
+    if coef is not None:
+        g = op.Mul(g, coef)
+    new_p, new_states = optimizer.update(op, p, g, states, k)
+    return [new_p, *new_states]
+
+
+def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dtype, tuple[int, ...]]],
+                          scan: bool = True) -> onnx.ModelProto:
+    """The optimizer model for ``params`` (name, element type, shape of each trainable parameter, in order).
+
+    ``scan=False`` applies the update to the whole vectors instead of chunk by chunk (same inputs, outputs
+    and layout): onnxruntime-web's ``Scan`` costs more than the cache it saves (docs/web.md, "Speed")."""
     if not params:
         raise ValueError("the optimizer needs at least one trainable parameter")
     groups = _group_layout(params)
@@ -225,7 +239,9 @@ def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dty
     for group, (p, g, states) in zip(groups, flat.values()):
         cast = (lambda x: x) if p.dtype == ir.DataType.FLOAT else (lambda x: op.Cast(x, to=p.dtype))  # noqa: E731
         k = optimizer.scalars(op, cast(lr), step, p.dtype)
-        new = _chunk_loop(op, optimizer, [p, g, *states], None if coef is None else cast(coef), k, group["chunk"])
+        coef_t = None if coef is None else cast(coef)
+        new = (_chunk_loop(op, optimizer, [p, g, *states], coef_t, k, group["chunk"]) if scan
+               else _whole(op, optimizer, [p, g, *states], coef_t, k))
         outputs += _as_outputs(op, new, [p, *states])
     graph = ir.Graph(inputs, outputs, nodes=op.nodes, opset_imports={"": OPSET}, name="optimizer")
     model = ir.Model(graph, ir_version=8, producer_name="onnxtrain")
