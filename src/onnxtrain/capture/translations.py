@@ -12,6 +12,8 @@
 - ``aten.avg_pool2d`` / ``aten.avg_pool3d``: ``divisor_override`` applied (:mod:`.pooling`).
 - ``aten._safe_softmax``: no NaN gradient from rows of only ``-inf`` (:mod:`.softmax`).
 - ``aten.scatter_reduce.two`` with ``reduce="mean"``: the mean, not a plain scatter (:mod:`.scatter_reduce`).
+- ``aten.atleast_1d/2d/3d.Sequence`` (``hstack``, ``vstack``, ``dstack``, ``column_stack``): one reshape per
+  tensor, not an ONNX sequence that no gradient rule differentiates (:mod:`.sequences`).
 - ``aten.special_log_ndtr``, ``aten.special_erfcx``: refused, so the module runs in PyTorch (:mod:`.refuse`).
 - ``onnxtrain.stop_gradient`` (``detach()``, ``no_grad`` blocks): ``StopGradient`` in the ``onnxtrain``
   domain (:mod:`.stop_gradient`).
@@ -27,6 +29,7 @@ from onnxtrain.capture.batchnorm import batch_norm_functional, native_batch_norm
 from onnxtrain.capture.pooling import avg_pool2d, avg_pool3d
 from onnxtrain.capture.refuse import special_erfcx, special_log_ndtr
 from onnxtrain.capture.scatter_reduce import scatter_reduce
+from onnxtrain.capture.sequences import atleast_1d_sequence, atleast_2d_sequence, atleast_3d_sequence
 from onnxtrain.capture.softmax import safe_softmax
 from onnxtrain.capture.stop_gradient import translate_stop_gradient
 
@@ -91,6 +94,9 @@ TRANSLATIONS = {
     torch.ops.aten.avg_pool2d.default: avg_pool2d,
     torch.ops.aten.avg_pool3d.default: avg_pool3d,
     torch.ops.aten.scatter_reduce.two: scatter_reduce,
+    torch.ops.aten.atleast_1d.Sequence: atleast_1d_sequence,
+    torch.ops.aten.atleast_2d.Sequence: atleast_2d_sequence,
+    torch.ops.aten.atleast_3d.Sequence: atleast_3d_sequence,
     torch.ops.aten.special_log_ndtr.default: special_log_ndtr,
     torch.ops.aten.special_erfcx.default: special_erfcx,
     torch.ops.onnxtrain.stop_gradient.default: translate_stop_gradient,
