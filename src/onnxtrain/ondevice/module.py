@@ -221,8 +221,10 @@ class Module:
 
     # -- export -------------------------------------------------------------------------------
     def export_model_for_inferencing(self, inference_model_uri: str | os.PathLike,
-                                     graph_output_names: list[str]) -> None:
-        """Write the eval model with the current parameters baked in, returning ``graph_output_names``."""
+                                     graph_output_names: list[str], merge_adapters: bool = False) -> None:
+        """Write the eval model with the current parameters baked in, returning ``graph_output_names``.
+        ``merge_adapters=True`` folds LoRA adapters into their base weights (``W + s B A``); by default
+        they stay separate initializers, named as in the training model (docs/lora.md)."""
         if self._eval_uri is None:
             raise RuntimeError("export_model_for_inferencing needs the eval model; pass eval_model_uri to Module")
         from onnxtrain.ondevice.export import (
@@ -230,4 +232,5 @@ class Module:
         )
 
         arrays = {n: self._state.array(n) for n in self._state.names()}
-        export_inference_model(self._eval_uri, arrays, graph_output_names, inference_model_uri)
+        export_inference_model(self._eval_uri, arrays, graph_output_names, inference_model_uri,
+                               merge_adapters=merge_adapters)
