@@ -23,7 +23,6 @@ _BOTH = {
 }
 EXPECTED_FALLBACK: dict[tuple[str, str], str] = {
     **{(op, mode): why for op, why in _BOTH.items() for mode in harness.MODES},
-    ("nn.functional.conv2d", "inputs"): "static size of the weight's input channels",  # weight as an input
 }
 
 
