@@ -287,8 +287,11 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Rec
     loss_value = graph.outputs[0]
     num_outputs = len(graph.outputs)
     grads = add_gradient_outputs(model, wrt, [loss_value], names=info["trainable"])
-    model = pipeline.artifacts_training(num_outputs, recompute)(model)
+    passes = pipeline.artifacts_training(num_outputs, recompute)
+    model = passes(model)
     meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen", "input_checks")}
+    if recompute is not None and any(c.on for c in passes.step("recompute").plan.candidates):
+        meta["recomputed"] = True  # the runtime keeps onnxruntime from merging the clones back (module.py)
     model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training", "format": TRAINING_MODEL_FORMAT,
                                                               "gradients": [g.name for g in grads]})
     return ir_version_for_onnxruntime(ir.to_proto(model))
