@@ -48,6 +48,20 @@ def test_model_path_after_a_list_option(tmp_path, capsys):
     assert rc == 0 and (tmp_path / "g.onnx").is_file()
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_artifacts_precision(tmp_path, precision):
+    import json
+
+    model = _model(tmp_path / "m.onnx")
+    out = tmp_path / "o"
+    assert main(["artifacts", model, "--requires-grad", "fc1.weight", "--loss", "mse", "--optimizer", "adamw",
+                 "--precision", precision, "-o", str(out)]) == 0
+    training = onnx.load(out / "training_model.onnx")
+    meta = json.loads({p.key: p.value for p in training.metadata_props}["onnxtrain.training"])
+    assert meta["precision"] == precision
+    assert ("loss_scale" in [i.name for i in training.graph.input]) == (precision == "fp16")
+
+
 def test_missing_model_path_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         main(["artifacts", "--requires-grad", "w", "--loss", "mse", "-o", "out"])

@@ -16,6 +16,7 @@ from onnxtrain.blocks.loss import (
     LossInput,
     MSELoss,
 )
+from onnxtrain.blocks.loss_scale import LossScaler
 from onnxtrain.blocks.optim import SGD, AdamW
 from onnxtrain.ondevice.artifacts import (
     Artifacts,
@@ -33,6 +34,7 @@ __all__ = [
     "L1Loss",
     "Loss",
     "LossInput",
+    "LossScaler",
     "LossType",
     "MSELoss",
     "OptimType",

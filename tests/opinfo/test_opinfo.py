@@ -20,7 +20,6 @@ _BOTH = {
     "amax": "Input rank was 0",  # ReduceMax over axis 0 of a 0-d tensor
     "squeeze": "OutputShapeError",  # squeeze() of a size-1 axis exported as dynamic
     "index_select": "OutputShapeError",  # a 0-d input
-    "split": "SplitToSequence",  # no gradient rule for the sequence ops
     "nn.functional.cross_entropy": "NegativeLogLikelihoodLoss",  # class-probability targets
 }
 EXPECTED_FALLBACK: dict[tuple[str, str], str] = {

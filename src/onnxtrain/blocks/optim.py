@@ -27,9 +27,13 @@ import onnx
 import onnx_ir as ir
 
 from onnxtrain.autodiff.builder import GraphBuilder
+from onnxtrain.blocks import loss_scale
+from onnxtrain.blocks.loss_scale import LossScaler
 from onnxtrain.ondevice.format import (
+    GOOD_STEPS,
     GRADIENTS,
     LEARNING_RATE,
+    LOSS_SCALE,
     OPTIMIZER_METADATA_KEY,
     PARAMS,
     STEP,
@@ -204,8 +208,26 @@ def _chunk_loop(op: GraphBuilder, optimizer, flat: list[ir.Value], coef: ir.Valu
     return list(new) if len(outs) > 1 else [new]
 
 
-def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dtype, tuple[int, ...]]]) -> onnx.ModelProto:
-    """The optimizer model for ``params`` (name, element type, shape of each trainable parameter, in order)."""
+def _whole(op: GraphBuilder, optimizer, flat: list[ir.Value], coef: ir.Value | None,
+           k: dict[str, ir.Value]) -> list[ir.Value]:
+    """The optimizer's update over the whole [chunks, chunk] vectors at once, without a ``Scan``."""
+    p, g, *states = flat
+    if coef is not None:
+        g = op.Mul(g, coef)
+    new_p, new_states = optimizer.update(op, p, g, states, k)
+    return [new_p, *new_states]
+
+
+def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dtype, tuple[int, ...]]],
+                          scaler: LossScaler | None = None, scan: bool = True) -> onnx.ModelProto:
+    """The optimizer model for ``params`` (name, element type, shape of each trainable parameter, in order).
+
+    With a ``scaler`` (fp16 artifacts) the gradients come scaled: the model also takes ``loss_scale`` and
+    ``good_steps``, unscales the gradients, skips the update when one is inf or NaN, and returns the new
+    scale and count (:mod:`onnxtrain.blocks.loss_scale`).
+
+    ``scan=False`` applies the update to the whole vectors instead of chunk by chunk (same inputs, outputs
+    and layout): onnxruntime-web's ``Scan`` costs more than the cache it saves (docs/web.md, "Web artifacts")."""
     if not params:
         raise ValueError("the optimizer needs at least one trainable parameter")
     groups = _group_layout(params)
@@ -213,26 +235,62 @@ def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dty
     lr = ir.Value(name=LEARNING_RATE, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]))
     step = ir.Value(name=STEP, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
     inputs, outputs = [lr, step], []
+    if scaler is not None:
+        scale = ir.Value(name=LOSS_SCALE, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]))
+        good = ir.Value(name=GOOD_STEPS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+        inputs += [scale, good]
     flat = {}
     for group in groups:
         p, g, *states = (_flat_input(flat_name(n, group["dtype"]), group)
                          for n in (PARAMS, GRADIENTS, *optimizer.states))
         inputs += [p, g, *states]
         flat[group["dtype"]] = (p, g, states)
+    grads = [g for _, g, _ in flat.values()]
     coef = None
+    if scaler is not None:
+        inf = loss_scale.found_inf(op, grads)
+        coef = op.Reciprocal(scale)
+        grads = [op.Mul(g, coef if g.dtype == ir.DataType.FLOAT else op.Cast(coef, to=g.dtype)) for g in grads]
     if optimizer.max_grad_norm is not None:
-        coef = _clip_coefficient(op, [g for _, g, _ in flat.values()], optimizer.max_grad_norm)
+        clip = _clip_coefficient(op, grads, optimizer.max_grad_norm)
+        coef = clip if coef is None else op.Mul(clip, coef)
+    # With loss scaling the update runs in the else branch of an If on ``inf``; the then branch keeps all.
+    body = op if scaler is None else GraphBuilder(prefix="optimizer/apply", opset=OPSET)
+    sources, new = [], []
     for group, (p, g, states) in zip(groups, flat.values()):
         cast = (lambda x: x) if p.dtype == ir.DataType.FLOAT else (lambda x: op.Cast(x, to=p.dtype))  # noqa: E731
         k = optimizer.scalars(op, cast(lr), step, p.dtype)
-        new = _chunk_loop(op, optimizer, [p, g, *states], None if coef is None else cast(coef), k, group["chunk"])
-        outputs += _as_outputs(op, new, [p, *states])
+        coef_t = None if coef is None else cast(coef)
+        new += (_chunk_loop(body, optimizer, [p, g, *states], coef_t, k, group["chunk"]) if scan
+                else _whole(body, optimizer, [p, g, *states], coef_t, k))
+        sources += [p, *states]
+    if scaler is not None:
+        new = _skip_if(op, body, inf, new, sources)
+        new_scale, new_good = loss_scale.update_scale(op, scaler, scale, good, inf)
+        outputs += _as_outputs(op, [new_scale, new_good], [scale, good])
+    outputs = _as_outputs(op, new, sources) + outputs
     graph = ir.Graph(inputs, outputs, nodes=op.nodes, opset_imports={"": OPSET}, name="optimizer")
     model = ir.Model(graph, ir_version=8, producer_name="onnxtrain")
     meta = {"type": type(optimizer).__name__, "hyperparameters": asdict(optimizer),
             "states": list(optimizer.states), "groups": groups}
+    if scaler is not None:
+        meta["loss_scaling"] = scaler.to_json()
     model.metadata_props[OPTIMIZER_METADATA_KEY] = json.dumps(meta)
     return ir.to_proto(model)
 
 
-__all__ = ["SGD", "AdamW", "build_optimizer_model"]
+def _skip_if(op: GraphBuilder, body: GraphBuilder, inf: ir.Value, new: list[ir.Value],
+             sources: list[ir.Value]) -> list[ir.Value]:
+    """``sources`` unchanged where ``inf`` is true, else ``new`` (built by ``body``): one If node, so a
+    skipped step costs nothing."""
+    keep = GraphBuilder(prefix="optimizer/skip", opset=OPSET)
+    kept = [keep.Identity(v) for v in sources]
+    for value, source in zip([*kept, *new], [*sources, *sources]):
+        value.type, value.shape = source.type, source.shape
+    then_branch = ir.Graph([], kept, nodes=keep.nodes, opset_imports={"": OPSET}, name="optimizer_skip")
+    else_branch = ir.Graph([], new, nodes=body.nodes, opset_imports={"": OPSET}, name="optimizer_apply")
+    outs = op.op("If", inf, then_branch=then_branch, else_branch=else_branch, num_outputs=len(sources))
+    return list(outs) if len(sources) > 1 else [outs]
+
+
+__all__ = ["SGD", "AdamW", "LossScaler", "build_optimizer_model"]

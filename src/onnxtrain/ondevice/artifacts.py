@@ -32,6 +32,7 @@ from onnxtrain.autodiff.engine import (
     values_by_name,
 )
 from onnxtrain.blocks import optim as optim_blocks
+from onnxtrain.blocks.loss_scale import LossScaler
 from onnxtrain.blocks.loss import (
     BCEWithLogitsLoss,
     CrossEntropyLoss,
@@ -40,10 +41,11 @@ from onnxtrain.blocks.loss import (
     MSELoss,
 )
 from onnxtrain.ondevice import checkpoint as ckpt
-from onnxtrain.ondevice.format import TRAINING_METADATA_KEY, TRAINING_MODEL_FORMAT
+from onnxtrain.ondevice.format import LOSS_SCALE, LOSS_SCALING_FORMAT, TRAINING_METADATA_KEY, TRAINING_MODEL_FORMAT
 from onnxtrain.runtime import backends
 from onnxtrain.ondevice.input_ranges import input_ranges
 from onnxtrain.passes import pipeline
+from onnxtrain.passes.precision import apply_precision
 from onnxtrain.passes.recompute import Recompute
 from onnxtrain.utils.atomic import atomic_file_set, refuse_existing
 from onnxtrain.utils.io import load_model, save_model_atomic
@@ -278,30 +280,60 @@ def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
                          "loss block's inputs match the model outputs in type and rank") from exc
 
 
-def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Recompute | None = None) -> onnx.ModelProto:
-    """Add the gradients of the loss w.r.t. the trainable parameters to the eval model."""
+def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Recompute | None = None,
+                         scaler: LossScaler | None = None, target: str = "default") -> onnx.ModelProto:
+    """Add the gradients of the loss w.r.t. the trainable parameters to the eval model.
+
+    With a ``scaler`` the gradients are those of ``loss * loss_scale``, a float32 scalar input after the
+    parameters (the gradient seed is the scale; :mod:`onnxtrain.blocks.loss_scale`)."""
     model = ir.from_proto(eval_proto)
     graph = model.graph
     by_name = {v.name: v for v in graph.inputs}
     wrt = [by_name[n] for n in info["trainable"]]
     loss_value = graph.outputs[0]
     num_outputs = len(graph.outputs)
-    grads = add_gradient_outputs(model, wrt, [loss_value], names=info["trainable"])
-    passes = pipeline.artifacts_training(num_outputs, recompute)
+    seeds, extra = None, {"format": TRAINING_MODEL_FORMAT}
+    if scaler is not None:
+        scale = ir.Value(name=LOSS_SCALE, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]))
+        graph.inputs.append(scale)
+        seed = scale
+        if loss_value.dtype != ir.DataType.FLOAT:
+            cast = ir.node("Cast", [scale], attributes={"to": loss_value.dtype}, name="loss_scale/cast")
+            graph.append(cast)
+            seed = cast.outputs[0]
+        seeds = [seed]
+        extra = {"format": LOSS_SCALING_FORMAT, "loss_scaling": scaler.to_json()}
+    grads = add_gradient_outputs(model, wrt, [loss_value], seeds=seeds, names=info["trainable"])
+    passes = pipeline.artifacts_training(num_outputs, recompute, sum_rows_by_matmul=target != "web")
     model = passes(model)
     meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen", "input_checks")}
     if recompute is not None and any(c.on for c in passes.step("recompute").plan.candidates):
         meta["recomputed"] = True  # the runtime keeps onnxruntime from merging the clones back (module.py)
-    model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training", "format": TRAINING_MODEL_FORMAT,
+    model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training", **extra,
                                                               "gradients": [g.name for g in grads]})
     return ir_version_for_onnxruntime(ir.to_proto(model))
 
 
 def _artifact_precision(precision: str) -> str:
-    if str(precision).lower() in ("fp16", "float16"):
-        raise ValueError("precision='fp16' artifacts need dynamic loss scaling, which onnxtrain does not build "
-                         "yet; use 'bf16' (same range as float32, no scaling needed) or 'fp32'")
-    return backends.normalize_precision(precision)
+    if str(precision).lower() in ("fp16", "float16", "half"):
+        return "fp16"
+    try:
+        return backends.normalize_precision(precision)
+    except ValueError:
+        raise ValueError(f"unknown precision {precision!r} for artifacts; use 'fp32', 'bf16' or 'fp16'") from None
+
+
+def _loss_scaler(precision: str, loss_scaler) -> LossScaler | None:
+    if precision != "fp16":
+        if loss_scaler is not None:
+            raise ValueError(f"loss_scaler is for precision='fp16' artifacts; these are {precision!r} "
+                             "(bf16 and fp32 have float32's range and need no loss scaling)")
+        return None
+    if loss_scaler is None:
+        return LossScaler()
+    if not isinstance(loss_scaler, LossScaler):
+        raise TypeError(f"loss_scaler must be an artifacts.LossScaler, got {type(loss_scaler).__name__}")
+    return loss_scaler
 
 
 def _set_precision(proto: onnx.ModelProto, precision: str) -> None:
@@ -321,7 +353,8 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
                        artifact_directory: str | os.PathLike | None = None, prefix: str = "",
                        additional_output_names: Sequence[str] | None = None, nominal_checkpoint: bool = False,
                        loss_input_names: Sequence[str] | None = None, overwrite: bool = False,
-                       precision: str = "fp32", recompute=None) -> Artifacts:
+                       precision: str = "fp32", recompute=None, loss_scaler: LossScaler | None = None,
+                       target: str = "default") -> Artifacts:
     """Write the training, eval and optimizer models and the checkpoint for on-device training.
 
     ``requires_grad`` names the initializers to train; ``frozen_params`` the ones to keep in the
@@ -337,16 +370,27 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
 
     ``precision="bf16"`` marks the training and eval models to run in bfloat16: the graphs stay float32 (so
     they run on any ONNX runtime), and the runtime's ``Module`` runs them on OpenVINO with its bfloat16
-    hint where it can, else warns once and runs float32 (docs/precision.md). "fp16" needs dynamic loss
-    scaling, which is not built yet.
+    hint where it can, else warns once and runs float32 (docs/precision.md). ``precision="fp16"`` writes
+    the training and eval models with their matmul-class products in float16 (:mod:`onnxtrain.passes.precision`;
+    parameters, gradients and optimizer state stay float32) and dynamic loss scaling in the training and
+    optimizer models, with ``loss_scaler`` (a :class:`LossScaler`, default ``torch.amp.GradScaler``'s
+    settings) as the policy and its state in the checkpoint (:mod:`onnxtrain.blocks.loss_scale`).
 
     ``recompute`` (default None: nothing) has the training model recompute forward values for the
     gradients instead of keeping them, as ORTModule's option (:mod:`onnxtrain.passes.recompute`): a
     fraction of the stashed bytes to keep, a number of bytes, a string, or a ``Recompute``, whose ``dims``
     give the sizes of the model's symbolic dims (dims it does not name make sizes unknown, and those values
     are left as they are). The plan is logged at INFO.
+
+    ``target="web"`` writes artifacts for onnxruntime-web (``web/``, docs/web.md): the same files, inputs,
+    outputs and checkpoint, built from other standard ops where onnxruntime-web is slow or fails: the
+    optimizer updates the whole flat vectors without a ``Scan``, and bias gradients stay ``ReduceSum``
+    (the WebGPU provider refuses the row-of-ones ``MatMul``). Any runtime runs either kind.
     """
+    if target not in _TARGETS:
+        raise ValueError(f"target must be one of {sorted(_TARGETS)}, got {target!r}")
     precision = _artifact_precision(precision)
+    scaler = _loss_scaler(precision, loss_scaler)
     loss_block = resolve_loss(loss)
     optimizer_block = resolve_optimizer(optimizer)
     out_dir = Path(artifact_directory if artifact_directory is not None else os.getcwd())
@@ -357,8 +401,10 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     eval_proto, info = build_eval_model(proto, requires_grad, frozen_params, loss_block,
                                         additional_output_names, loss_input_names)
     plan = None if recompute is None else Recompute.of(recompute)
-    training_proto = build_training_model(eval_proto, info, plan)
+    training_proto = build_training_model(eval_proto, info, plan, scaler, target)
     eval_proto = ir.to_proto(pipeline.artifacts_eval_export()(ir.from_proto(eval_proto)))
+    if precision == "fp16":  # the products run in float16 in the graphs themselves, on any runtime
+        training_proto, eval_proto = (apply_precision(p, "fp16") for p in (training_proto, eval_proto))
     if precision != "fp32":
         for model_proto in (training_proto, eval_proto):
             _set_precision(model_proto, precision)
@@ -367,11 +413,12 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     opt_proto = None
     if optimizer_block is not None:
         layout = [(n, values[n].dtype, values[n].shape) for n in info["trainable"]]
-        opt_proto = optim_blocks.build_optimizer_model(optimizer_block, layout)
+        opt_proto = optim_blocks.build_optimizer_model(optimizer_block, layout, scaler, scan=target != "web")
     data = ckpt.CheckpointData(
         parameters={n: values[n] for n in info["trainable"] + info["frozen"]},
         requires_grad={n: n in info["trainable"] for n in info["trainable"] + info["frozen"]},
         nominal=nominal_checkpoint,
+        loss_scale=None if scaler is None else ckpt.LossScaleState(scaler.init_scale, 0),
     )
     # One generation: written into a staging folder, then swapped in with the checkpoint last.
     with atomic_file_set(out_dir, names, overwrite=overwrite, what="artifacts", hint=_OVERWRITE_HINT) as staging:
@@ -385,6 +432,7 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
 
 
 _OVERWRITE_HINT = "pass overwrite=True (onnxtrain artifacts --force)"
+_TARGETS = ("default", "web")
 
 
-__all__ = ["Artifacts", "LossType", "OptimType", "generate_artifacts"]
+__all__ = ["Artifacts", "LossScaler", "LossType", "OptimType", "generate_artifacts"]

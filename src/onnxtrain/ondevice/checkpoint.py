@@ -50,6 +50,14 @@ class CheckpointError(ValueError):
 
 
 @dataclass
+class LossScaleState:
+    """fp16 loss scaling's state (as ``torch.amp.GradScaler``'s ``scale`` and ``growth_tracker``)."""
+
+    scale: float
+    good_steps: int = 0
+
+
+@dataclass
 class CheckpointData:
     """Everything one checkpoint file holds, as plain numpy and Python values."""
 
@@ -60,6 +68,7 @@ class CheckpointData:
     learning_rate: float | None = None
     properties: dict[str, int | float | str] = field(default_factory=dict)
     nominal: bool = False  # names, shapes and types only; ``parameters`` hold zeros after loading
+    loss_scale: LossScaleState | None = None  # fp16 artifacts only
 
 
 def _dtype_name(array: np.ndarray, what: str) -> str:
@@ -134,6 +143,8 @@ def _header(data: CheckpointData, include_optimizer_state: bool) -> tuple[dict, 
             states[pname] = {k: tensors.add(v, f"optimizer state {k!r} of {pname!r}") for k, v in state.items()}
         header["optimizer"] = {"step": int(data.optimizer_step), "learning_rate": data.learning_rate,
                                "states": states}
+    if data.loss_scale is not None:
+        header["loss_scale"] = {"scale": float(data.loss_scale.scale), "good_steps": int(data.loss_scale.good_steps)}
     header["data_size"] = tensors.size
     return header, tensors
 
@@ -227,6 +238,9 @@ def load(path: str | os.PathLike) -> CheckpointData:
                 data.parameters[name] = _read_tensor(f, path, start, entry, f"parameter {name!r}", nominal)
                 data.requires_grad[name] = bool(entry["requires_grad"])
             data.properties = {k: _read_property(k, v) for k, v in header.get("properties", {}).items()}
+            if header.get("loss_scale") is not None:
+                entry = header["loss_scale"]
+                data.loss_scale = LossScaleState(float(entry["scale"]), int(entry["good_steps"]))
             optim = header.get("optimizer")
             if optim is not None:
                 data.optimizer_step = int(optim["step"])

@@ -12,12 +12,21 @@ TRAINING_METADATA_KEY = "onnxtrain.training"
 # 2: embedding (Gather) gradients by ScatterElements, exact with repeated ids on several threads
 # (1 used ScatterND, whose CPU kernel may lose updates then).
 TRAINING_MODEL_FORMAT = 2
+# 3: fp16 artifacts with dynamic loss scaling: the training model takes a ``loss_scale`` input and its
+# metadata a ``loss_scaling`` object. Only such models are format 3; a reader must refuse a format above
+# the ones it knows.
+LOSS_SCALING_FORMAT = 3
 # Model metadata holding the optimizer model's layout and hyperparameters.
 OPTIMIZER_METADATA_KEY = "onnxtrain.optimizer"
 
 # The optimizer model's scalar inputs.
 LEARNING_RATE = "learning_rate"
 STEP = "step"
+# Loss scaling (fp16): the scale (float32 scalar, a training and an optimizer model input) and the count of
+# good steps since the scale last changed (int64 scalar, an optimizer model input); both updated by the
+# optimizer model as outputs ``loss_scale.out`` and ``good_steps.out``.
+LOSS_SCALE = "loss_scale"
+GOOD_STEPS = "good_steps"
 # Its per-element-type flat vectors: ``params.<dtype>``, ``gradients.<dtype>``, ``<state>.<dtype>``.
 PARAMS = "params"
 GRADIENTS = "gradients"

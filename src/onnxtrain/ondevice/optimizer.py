@@ -14,8 +14,10 @@ import onnxruntime as ort
 
 from onnxtrain.ondevice.buffers import FlatBuffers, FlatLayout
 from onnxtrain.ondevice.format import (
+    GOOD_STEPS,
     GRADIENTS,
     LEARNING_RATE,
+    LOSS_SCALE,
     OPTIMIZER_METADATA_KEY,
     PARAMS,
     STEP,
@@ -61,6 +63,12 @@ class Optimizer:
         self._step = np.array(state.optimizer_step, dtype=np.int64)
         state.learning_rate = float(self._lr)
         self._keep: list[ort.OrtValue] = []
+        self._scaling = None  # fp16: (live scale, live count), (new scale, new count)
+        if meta.get("loss_scaling") is not None:
+            if state.loss_scale is None:
+                state.set_loss_scale(meta["loss_scaling"]["init_scale"])
+            live = state.loss_scale_arrays
+            self._scaling = (live, (np.zeros_like(live[0]), np.zeros_like(live[1])))
         self._bindings = [self._bind(buffers, src) for src in (0, 1)]
 
     def _bind(self, buffers: FlatBuffers, src: int) -> ort.IOBinding:
@@ -70,6 +78,12 @@ class Optimizer:
             value = ortvalue(array)
             self._keep.append(value)
             binding.bind_ortvalue_input(name, value)
+        if self._scaling is not None:
+            for name, live, new in zip((LOSS_SCALE, GOOD_STEPS), *self._scaling):
+                values = ortvalue(live), ortvalue(new)
+                self._keep += values
+                binding.bind_ortvalue_input(name, values[0])
+                binding.bind_ortvalue_output(updated_name(name), values[1])
         layout = buffers.layout
         for key in layout.dtypes:
             rows = layout.rows(key)
@@ -92,6 +106,11 @@ class Optimizer:
         self._step += 1
         self._session.run_with_iobinding(self._bindings[self._buffers.current])
         self._buffers.swap()
+        if self._scaling is not None:
+            (scale, good), (new_scale, new_good) = self._scaling
+            if new_scale < scale:  # an inf/NaN gradient: the model kept everything; the step was not taken
+                self._step -= 1
+            scale[...], good[...] = new_scale, new_good
         self._state.optimizer_step = int(self._step)
 
     def set_learning_rate(self, learning_rate: float) -> None:

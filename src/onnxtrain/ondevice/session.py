@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from onnxtrain.ondevice.format import LOSS_SCALE
 from onnxtrain.ondevice.inputs import InputChecker
 from onnxtrain.runtime import backends
 
@@ -65,7 +66,7 @@ class Runner:
         self.uri = uri
         self.user_inputs = meta["user_inputs"]
         self.outputs = meta["outputs"]
-        self.params = meta["trainable"] + meta["frozen"]
+        self.params = meta["trainable"] + meta["frozen"] + ([LOSS_SCALE] if meta.get("loss_scaling") else [])
         self.input_types = {i.name: ORT_TYPES.get(i.type) for i in session.get_inputs()}
         self.checker = InputChecker(session, self.user_inputs, meta.get("input_checks", {}))
         self._keep: list = []  # OrtValues share numpy memory and do not keep it alive: we do

@@ -111,6 +111,10 @@ class CheckpointState:
         self._nominal = data.nominal
         self._properties = _Properties(data.properties)
         self.buffers: FlatBuffers | None = None  # set by the first Module
+        # fp16 loss scaling: 0-d arrays the sessions read (and the optimizer updates) in place
+        self._loss_scale: tuple[np.ndarray, np.ndarray] | None = None
+        if data.loss_scale is not None:
+            self.set_loss_scale(data.loss_scale.scale, data.loss_scale.good_steps)
 
     @staticmethod
     def load_checkpoint(checkpoint_uri: str | os.PathLike) -> CheckpointState:
@@ -130,7 +134,9 @@ class CheckpointState:
         return ckpt.CheckpointData(
             parameters={n: self.array(n) for n in self.names()}, requires_grad=dict(self._requires_grad),
             optimizer_states=self.optimizer_states(), optimizer_step=self.optimizer_step,
-            learning_rate=self.learning_rate, properties=dict(self._properties), nominal=False)
+            learning_rate=self.learning_rate, properties=dict(self._properties), nominal=False,
+            loss_scale=None if self._loss_scale is None else ckpt.LossScaleState(
+                float(self._loss_scale[0]), int(self._loss_scale[1])))
 
     # -- reading ------------------------------------------------------------------------------
     @property
@@ -167,6 +173,25 @@ class CheckpointState:
         if self.buffers is not None and self.buffers.state_names():
             return self.buffers.state_views()
         return self._saved_optimizer_states
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16 artifacts: the current loss scale (as ``GradScaler.get_scale()``); else None."""
+        return None if self._loss_scale is None else float(self._loss_scale[0])
+
+    @property
+    def loss_scale_arrays(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The live (scale, good-step count) 0-d arrays the sessions bind, or None without loss scaling."""
+        return self._loss_scale
+
+    def set_loss_scale(self, scale: float, good_steps: int = 0) -> None:
+        """Set the loss scale and the count of good steps since it last changed (in place once bound)."""
+        if not (np.isfinite(scale) and scale > 0):
+            raise ValueError(f"the loss scale must be a finite number > 0, got {scale}")
+        if self._loss_scale is None:
+            self._loss_scale = (np.zeros((), np.float32), np.zeros((), np.int64))
+        self._loss_scale[0][...] = scale
+        self._loss_scale[1][...] = int(good_steps)
 
     # -- binding to a Module -------------------------------------------------------------------
     def bind(self, trainable: list[str]) -> FlatBuffers:
