@@ -234,3 +234,19 @@ def test_special_functions_the_exporter_gets_wrong_fall_back_with_their_reason(n
     out.sum().backward()
     expected.sum().backward()
     torch.testing.assert_close(xa.grad, xe.grad)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_with_the_weight_as_an_input(n, groups):
+    """A weight passed to forward has dynamic leading axes (in export): the gradient reads its channels per
+    group at run time instead of refusing (it needed them static)."""
+    conv = (F.conv1d, F.conv2d, F.conv3d)[n - 1]
+    x, w, bias = torch.randn(2, 4, *[6] * n), torch.randn(6, 4 // groups, *[3] * n), torch.randn(6)
+    assert_matches_eager(lambda t, k, c: conv(t, k, c, 2, 1, 1, groups), [x, w, bias])
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_transpose_with_the_weight_as_an_input(groups):
+    x, w = torch.randn(2, 4, 5, 6), torch.randn(4, 6 // groups, 3, 2)
+    assert_matches_eager(lambda t, k: F.conv_transpose2d(t, k, None, 2, 1, 1, groups), [x, w])
