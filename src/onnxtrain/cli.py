@@ -65,6 +65,8 @@ def _add_artifacts_parser(sub) -> None:
     art.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                      help="bf16: float32 graphs the runtime runs in bfloat16 where it can; fp16: float16 "
                           "products with dynamic loss scaling (GradScaler's defaults); see docs/precision.md")
+    art.add_argument("--target", default="default", choices=["default", "web"],
+                     help="'web': artifacts for onnxruntime-web (no Scan in the optimizer; docs/web.md)")
     art.add_argument("-o", "--output-dir", required=True, help="directory to write the artifacts to")
     art.add_argument("-f", "--force", action="store_true",
                      help="replace the artifacts already in the directory (a trained checkpoint included)")
@@ -94,7 +96,7 @@ def _cmd_artifacts(args) -> int:
         args.model, requires_grad=args.requires_grad, frozen_params=args.frozen, loss=args.loss,
         optimizer=args.optimizer, artifact_directory=args.output_dir, prefix=args.prefix,
         additional_output_names=args.additional_outputs, nominal_checkpoint=args.nominal_checkpoint,
-        loss_input_names=args.loss_inputs, overwrite=args.force, precision=args.precision)
+        loss_input_names=args.loss_inputs, overwrite=args.force, precision=args.precision, target=args.target)
     for path in (paths.training_model, paths.eval_model, paths.optimizer_model, paths.checkpoint):
         if path is not None:
             print(f"wrote {path}")

@@ -3,7 +3,6 @@ numpy only, so the test that replays the fixtures needs no torch."""
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +22,10 @@ def batch_arrays(case: dict, index: int) -> list[np.ndarray]:
     return [np.asarray(batch[n]["data"], dtype=batch[n]["dtype"]).reshape(batch[n]["shape"]) for n in case["inputs"]]
 
 
-def run_case(folder: Path, case: dict) -> tuple[list[float], dict]:
+def run_case(folder: Path, case: dict, checkpoint: Path) -> tuple[list[float], dict]:
     """Train ``case`` from the artifacts in ``folder``: the losses of every training call, then the eval
-    loss on batch 0 and the path of a checkpoint saved with the optimizer state."""
+    loss on batch 0 and ``checkpoint``, the path the trained state is saved to with the optimizer state
+    (the caller owns its folder: pytest's ``tmp_path``)."""
     state = CheckpointState.load_checkpoint(folder / "checkpoint")
     module = Module(folder / "training_model.onnx", state, folder / "eval_model.onnx")
     optimizer = Optimizer(folder / "optimizer_model.onnx", module)
@@ -45,6 +45,5 @@ def run_case(folder: Path, case: dict) -> tuple[list[float], dict]:
             scheduler.step()
     module.eval()
     eval_loss = float(module(*batch_arrays(case, 0)))
-    path = Path(tempfile.mkdtemp(prefix="onnxtrain-conformance-")) / "checkpoint"
-    CheckpointState.save_checkpoint(state, path, include_optimizer_state=True)
-    return losses, {"eval_loss": eval_loss, "checkpoint": path}
+    CheckpointState.save_checkpoint(state, checkpoint, include_optimizer_state=True)
+    return losses, {"eval_loss": eval_loss, "checkpoint": checkpoint}

@@ -26,10 +26,10 @@ def assert_close(ours, expected, what: str) -> None:
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_python_runtime_reproduces_fixture(name):
+def test_python_runtime_reproduces_fixture(name, tmp_path):
     folder = HERE / name
     case = json.loads((folder / "case.json").read_text())
-    losses, final = run_case(folder, case)
+    losses, final = run_case(folder, case, tmp_path / "checkpoint")
     for i, (ours, theirs) in enumerate(zip(losses, case["losses"], strict=True)):
         assert abs(ours - theirs) <= RTOL * abs(theirs), f"{name} loss {i}: {ours} != {theirs}"
     assert abs(final["eval_loss"] - case["eval_loss"]) <= RTOL * abs(case["eval_loss"])

@@ -1,67 +1,117 @@
-// Browser step times (training step + optimizer step) in headless Chromium on 1 and 2 WebAssembly threads,
-// alternating the variants over rounds; then one WebGPU try. Run make_bench.py first (it writes the models
-// and the Python runtime's times on the same threads).
-//   node bench/bench.mjs [rounds]
+// Step times (training step + optimizer step + gradient reset) of onnxtrain-web in headless Chromium and in
+// Node (the same WebAssembly), on 1 and 2 threads, against the Python runtime's times that make_bench.py
+// wrote; the variants alternate over rounds and each number is a median. Then one WebGPU try per model.
+// Run make_bench.py first (it writes the models and the Python times).
+//   node bench/bench.mjs [rounds]        (default 3)
+// Targets (issue 19): Chromium on one thread within 2.5x of Python on one thread; two threads faster than
+// one. Both are checked on the `target="web"` artifacts (<model>-web/), the ones made for the browser.
+import { execFileSync } from 'node:child_process';
 import { readFileSync, writeFileSync } from 'node:fs';
+import { fileURLToPath } from 'node:url';
 import { launch, openAndWait } from '../browser-test/chromium.js';
 import { serve } from '../example/serve.mjs';
 
 const rounds = Number(process.argv[2] ?? 3);
-const models = ['mlp', 'transformer'];
+const MODELS = ['mlp', 'transformer'];
+const VARIANTS = ['', '-web'];  // default artifacts, target="web" artifacts
+const THREADS = [1, 2];
+const TARGET_RATIO = 2.5;
+const HERE = fileURLToPath(new URL('.', import.meta.url));
+const python = JSON.parse(readFileSync(new URL('./python_results.json', import.meta.url)));
+
 const server = await serve(0);
 const browser = await launch();
 const { port } = server.address();
 const median = (v) => v.slice().sort((a, b) => a - b)[Math.floor(v.length / 2)];
-const times = {};
-async function run(model, threads, ep = 'wasm') {
+
+async function chromium(folder, threads, ep = 'wasm') {
   const page = await browser.newPage();
   try {
-    const url = `http://127.0.0.1:${port}/web/example/?bench=/web/bench/${model}/&threads=${threads}&ep=${ep}`;
+    const url = `http://127.0.0.1:${port}/web/example/?bench=/web/bench/${folder}/&threads=${threads}&ep=${ep}`;
     const result = await openAndWait(page, url, 590_000);
     if (result.error) throw new Error(result.error.split('\n')[0]);
+    if (ep === 'wasm' && threads > 1 && !result.crossOriginIsolated) throw new Error('the page is not cross-origin isolated');
     return result.bench.median_ms;
   } finally {
     await page.close();
   }
 }
+
+function node(folder, threads) {
+  const out = execFileSync(process.execPath, [HERE + 'node_step.mjs', HERE + folder, String(threads)], { encoding: 'utf8' });
+  return JSON.parse(out.trim().split('\n').at(-1)).median_ms;
+}
+
+const times = {};
+const record = (key, ms) => {
+  (times[key] ??= []).push(ms);
+  console.log(`${key}: ${ms.toFixed(2)} ms`);
+};
+const t0 = performance.now();
 for (let r = 0; r < rounds; r++) {
-  for (const threads of [1, 2]) {
-    for (const model of models) {
-      const key = `${model}/${threads}`;
-      (times[key] ??= []).push(await run(model, threads));
-      console.log(`round ${r} ${key}: ${times[key].at(-1).toFixed(2)} ms`);
+  console.log(`round ${r + 1} of ${rounds}`);
+  for (const threads of THREADS) {
+    for (const model of MODELS) {
+      for (const v of VARIANTS) record(`chromium ${model}${v} ${threads}`, await chromium(model + v, threads));
+      record(`node ${model}-web ${threads}`, node(model + '-web', threads));
     }
   }
 }
-const python = JSON.parse(readFileSync(new URL('./python_results.json', import.meta.url)));
-const out = { wasm: {}, webgpu: {} };
-for (const model of models) {
-  for (const threads of [1, 2]) {
-    const ms = median(times[`${model}/${threads}`]);
-    out.wasm[`${model}/${threads}`] = { browser_ms: ms, python_ms: python[model][threads], ratio: ms / python[model][threads] };
+
+const rows = [];
+const out = { rounds, wasm: {}, webgpu: {}, targets: {} };
+for (const model of MODELS) {
+  for (const threads of THREADS) {
+    const m = (key) => median(times[key]);
+    const row = {
+      model, threads,
+      chromium_default_ms: m(`chromium ${model} ${threads}`),
+      chromium_web_ms: m(`chromium ${model}-web ${threads}`),
+      node_web_ms: m(`node ${model}-web ${threads}`),
+      python_ms: python[model][threads],
+    };
+    row.ratio = row.chromium_web_ms / row.python_ms;
+    rows.push(row);
+    out.wasm[`${model}/${threads}`] = row;
   }
-  try {
-    out.webgpu[model] = { browser_ms: await run(model, 1, 'webgpu') };
-  } catch (error) {
-    out.webgpu[model] = { error: String(error.message ?? error).slice(0, 300) };
+  const [one, two] = rows.filter((r) => r.model === model);
+  out.targets[`${model}: Chromium 1 thread within ${TARGET_RATIO}x of Python`] = one.ratio <= TARGET_RATIO;
+  out.targets[`${model}: Chromium 2 threads faster than 1`] = two.chromium_web_ms < one.chromium_web_ms;
+  for (const v of VARIANTS) {
+    try {
+      out.webgpu[model + v] = { chromium_ms: await chromium(model + v, 1, 'webgpu') };
+    } catch (error) {
+      out.webgpu[model + v] = { error: String(error.message ?? error).slice(0, 300) };
+    }
   }
 }
-const gpu = await (async () => {
-  const page = await browser.newPage();
-  await page.goto(`http://127.0.0.1:${port}/web/example/`);
-  const info = await page.evaluate(async () => {
-    if (!navigator.gpu) return 'navigator.gpu absent';
-    const adapter = await navigator.gpu.requestAdapter();
-    if (!adapter) return 'no WebGPU adapter';
-    const i = adapter.info ?? {};
-    return `adapter: ${i.vendor} ${i.architecture} ${i.description ?? ''}`.trim();
-  });
-  await page.close();
-  return info;
-})();
-out.webgpu.adapter = gpu;
+const page = await browser.newPage();
+await page.goto(`http://127.0.0.1:${port}/web/example/`);
+out.webgpu.adapter = await page.evaluate(async () => {
+  if (!navigator.gpu) return 'navigator.gpu absent';
+  const adapter = await navigator.gpu.requestAdapter();
+  if (!adapter) return 'no WebGPU adapter';
+  const i = adapter.info ?? {};
+  return `${i.vendor} ${i.architecture} ${i.description ?? ''}`.trim();
+});
+await page.close();
 out.chromium = await browser.version();
-console.log(JSON.stringify(out, null, 1));
-writeFileSync(new URL('./browser_results.json', import.meta.url), JSON.stringify(out, null, 1));
+out.minutes = (performance.now() - t0) / 60_000;
 await browser.close();
 server.close();
+
+const f = (x) => x.toFixed(1);
+console.log(`\n| model | threads | Chromium, default artifacts (ms) | Chromium, web artifacts (ms) | Node, web artifacts (ms) | Python (ms) | Chromium web / Python | target |`);
+console.log('|---|---|---|---|---|---|---|---|');
+for (const r of rows) {
+  const target = r.threads === 1 ? `<= ${TARGET_RATIO}x: ${r.ratio <= TARGET_RATIO ? 'met' : 'not met'}` : '';
+  console.log(`| ${r.model} | ${r.threads} | ${f(r.chromium_default_ms)} | ${f(r.chromium_web_ms)} | ${f(r.node_web_ms)} | ${f(r.python_ms)} | ${f(r.ratio)}x | ${target} |`);
+}
+for (const [what, met] of Object.entries(out.targets)) console.log(`${what}: ${met ? 'met' : 'not met'}`);
+console.log(`WebGPU (adapter: ${out.webgpu.adapter}):`);
+for (const v of MODELS.flatMap((m) => VARIANTS.map((x) => m + x))) {
+  const w = out.webgpu[v];
+  console.log(`  ${v}: ${w.error ? 'failed: ' + w.error : f(w.chromium_ms) + ' ms'}`);
+}
+console.log(`${out.chromium}; ${rounds} rounds in ${f(out.minutes)} minutes`);
+writeFileSync(new URL('./browser_results.json', import.meta.url), JSON.stringify(out, null, 1));

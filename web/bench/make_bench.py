@@ -1,10 +1,12 @@
 """Benchmark artifacts for the browser runtime, and the Python runtime's step time on the same threads.
 
-    PYTHONPATH=src python web/bench/make_bench.py        # writes web/bench/<model>/ (ignored by git)
-    cd web && node bench/bench.mjs                       # the browser's step times
+    PYTHONPATH=src python web/bench/make_bench.py        # writes web/bench/<model>[-web]/ (ignored by git)
+    cd web && node bench/bench.mjs                       # the browser's and Node's step times, the table
 
 Models: an MLP 784-512-512-10 (batch 64) and a 2-layer transformer classifier (dim 128, 4 heads, seq 64,
-batch 16). Python times alternate 1 and 2 intra-op threads in one process; medians of the rounds.
+batch 16), each as default artifacts (<model>/) and as ``target="web"`` artifacts (<model>-web/). Python
+times the default artifacts (its own best), alternating 1 and 2 intra-op threads in one process; medians
+of the rounds.
 """
 
 from __future__ import annotations
@@ -67,17 +69,17 @@ def feeds(spec, rng):
     return [x, rng.integers(0, classes, lshape)]
 
 
-def make(name: str) -> Path:
+def make(name: str, target: str = "default") -> Path:
     factory, inputs, labels = MODELS[name]
     torch.manual_seed(0)
     model = factory()
-    out = HERE / name
+    out = HERE / (name if target == "default" else f"{name}-{target}")
     out.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         example = tuple(torch.zeros(s, dtype=torch.int64) if d == "int64" else torch.randn(s) for _, d, s, _ in inputs)
         path = export(model, example, Path(tmp) / "m.onnx", [n for n, *_ in inputs])
         artifacts.generate_artifacts(path, requires_grad=[n for n, _ in model.named_parameters()], loss="crossentropy",
-                                     optimizer="adamw", artifact_directory=out)
+                                     optimizer="adamw", artifact_directory=out, overwrite=True, target=target)
     spec = {"inputs": [{"name": n, "dtype": d, "shape": s, "high": h} for n, d, s, h in inputs]
             + [{"name": labels[0], "dtype": "int64", "shape": labels[1], "high": labels[2]}], "warmup": 5, "steps": 30}
     (out / "bench.json").write_text(json.dumps(spec))
@@ -106,6 +108,7 @@ def python_times(folder: Path, spec: tuple, threads: int, steps: int = 30) -> fl
 def main() -> None:
     results = {}
     for name in MODELS:
+        make(name, "web")
         folder = make(name)
         spec = (MODELS[name][1], MODELS[name][2])
         rounds = {1: [], 2: []}

@@ -6,6 +6,7 @@
 import * as ort from 'onnxruntime-web';
 import { CheckpointState, LinearLRScheduler, Module, Optimizer } from '../lib/index.js';
 import { runCase, worstDifference } from '../test/conformance.js';
+import { random, stepTime } from '../bench/step_time.js';
 
 const params = new URLSearchParams(location.search);
 const STEPS = Number(params.get('steps') ?? 150);
@@ -19,17 +20,7 @@ window.onnxtrainResult = result;
 const $ = (id) => document.getElementById(id);
 const bytes = async (url) => new Uint8Array(await (await fetch(url)).arrayBuffer());
 
-// Synthetic data: three Gaussian clusters in the plane, from a seeded generator.
-function random(seed) {
-  let s = seed >>> 0;
-  return () => {
-    s = (s + 0x6d2b79f5) >>> 0;
-    let t = Math.imul(s ^ (s >>> 15), 1 | s);
-    t = (t + Math.imul(t ^ (t >>> 7), 61 | t)) ^ t;
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
-
+// Synthetic data: three Gaussian clusters in the plane, from a seeded generator (bench/step_time.js).
 function clusters(n, rand) {
   const x = new Float32Array(n * 2);
   const y = new BigInt64Array(n);
@@ -120,31 +111,6 @@ async function conformance() {
   return out;
 }
 
-async function bench(folder) {
-  const spec = await (await fetch(folder + 'bench.json')).json();
-  const state = CheckpointState.fromBytes(await bytes(folder + 'checkpoint'));
-  const module = await Module.create(await bytes(folder + 'training_model.onnx'), state, null, options);
-  const optimizer = await Optimizer.create(await bytes(folder + 'optimizer_model.onnx'), module);
-  const rand = random(1);
-  const feeds = {};
-  for (const { name, dtype, shape, high } of spec.inputs) {
-    const n = shape.reduce((a, b) => a * b, 1);
-    feeds[name] = dtype === 'int64'
-      ? new ort.Tensor('int64', BigInt64Array.from({ length: n }, () => BigInt(Math.floor(rand() * high))), shape)
-      : new ort.Tensor('float32', Float32Array.from({ length: n }, () => rand() * 2 - 1), shape);
-  }
-  const times = [];
-  for (let i = 0; i < spec.warmup + spec.steps; i++) {
-    const t0 = performance.now();
-    await module.trainStep(feeds);
-    await optimizer.step();
-    module.lazyResetGrad();
-    if (i >= spec.warmup) times.push(performance.now() - t0);
-  }
-  times.sort((a, b) => a - b);
-  return { median_ms: times[Math.floor(times.length / 2)], steps: times.length };
-}
-
 async function train() {
   $('train').disabled = true;
   const state = await CheckpointState.loadCheckpoint('./artifacts/checkpoint');
@@ -195,7 +161,8 @@ async function main() {
   $('backend').textContent = `${ep}, ${threads} thread${threads > 1 ? 's' : ''}${self.crossOriginIsolated ? ' (cross-origin isolated)' : ''}`;
   try {
     if (params.get('bench')) {
-      result.bench = await bench(params.get('bench'));
+      const folder = params.get('bench');
+      result.bench = await stepTime((file) => bytes(folder + file), options);
     } else {
       if (params.get('conformance')) {
         $('status').textContent = 'replaying the conformance fixtures…';

@@ -208,13 +208,26 @@ def _chunk_loop(op: GraphBuilder, optimizer, flat: list[ir.Value], coef: ir.Valu
     return list(new) if len(outs) > 1 else [new]
 
 
+def _whole(op: GraphBuilder, optimizer, flat: list[ir.Value], coef: ir.Value | None,
+           k: dict[str, ir.Value]) -> list[ir.Value]:
+    """The optimizer's update over the whole [chunks, chunk] vectors at once, without a ``Scan``."""
+    p, g, *states = flat
+    if coef is not None:
+        g = op.Mul(g, coef)
+    new_p, new_states = optimizer.update(op, p, g, states, k)
+    return [new_p, *new_states]
+
+
 def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dtype, tuple[int, ...]]],
-                          scaler: LossScaler | None = None) -> onnx.ModelProto:
+                          scaler: LossScaler | None = None, scan: bool = True) -> onnx.ModelProto:
     """The optimizer model for ``params`` (name, element type, shape of each trainable parameter, in order).
 
     With a ``scaler`` (fp16 artifacts) the gradients come scaled: the model also takes ``loss_scale`` and
     ``good_steps``, unscales the gradients, skips the update when one is inf or NaN, and returns the new
-    scale and count (:mod:`onnxtrain.blocks.loss_scale`)."""
+    scale and count (:mod:`onnxtrain.blocks.loss_scale`).
+
+    ``scan=False`` applies the update to the whole vectors instead of chunk by chunk (same inputs, outputs
+    and layout): onnxruntime-web's ``Scan`` costs more than the cache it saves (docs/web.md, "Web artifacts")."""
     if not params:
         raise ValueError("the optimizer needs at least one trainable parameter")
     groups = _group_layout(params)
@@ -247,7 +260,9 @@ def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dty
     for group, (p, g, states) in zip(groups, flat.values()):
         cast = (lambda x: x) if p.dtype == ir.DataType.FLOAT else (lambda x: op.Cast(x, to=p.dtype))  # noqa: E731
         k = optimizer.scalars(op, cast(lr), step, p.dtype)
-        new += _chunk_loop(body, optimizer, [p, g, *states], None if coef is None else cast(coef), k, group["chunk"])
+        coef_t = None if coef is None else cast(coef)
+        new += (_chunk_loop(body, optimizer, [p, g, *states], coef_t, k, group["chunk"]) if scan
+                else _whole(body, optimizer, [p, g, *states], coef_t, k))
         sources += [p, *states]
     if scaler is not None:
         new = _skip_if(op, body, inf, new, sources)

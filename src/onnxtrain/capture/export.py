@@ -28,6 +28,7 @@ from onnxtrain.capture.promotion import needs_type_promotion
 from onnxtrain.capture.quiet import quiet_exporter, summary
 from onnxtrain.capture.refuse import refused_reason
 from onnxtrain.capture.registry import lazy_registry, registry_key
+from onnxtrain.capture.split_to_slices import split_to_slices
 from onnxtrain.capture.stop_gradient import mark_stop_gradients
 from onnxtrain.capture.translations import TRANSLATIONS
 
@@ -370,15 +371,16 @@ def _finish(model: ir.Model, wrapper: FlatModule, output_spec: Spec, flat: list[
     if not graph.outputs:  # onnxruntime refuses a graph without outputs (in C++, at session creation)
         raise ExportError(f"the forward returns no tensor ({_describe(output_spec)}) and updates no buffer: "
                           "there is nothing for onnxruntime to compute")
-    static = [
-        {axis: dim for axis, dim in enumerate(value.shape or []) if isinstance(dim, int)}
-        for value in graph.inputs
-    ]
     if len(graph.inputs) != len(flat):
         raise ExportError(
             f"the exported graph has {len(graph.inputs)} inputs for {len(flat)} input tensors; an input "
             "the module does not use may have been dropped. Remove unused tensor arguments."
         )
+    split_to_slices(graph, [t.shape for t in flat])  # before `static`: it makes split axes static
+    static = [
+        {axis: dim for axis, dim in enumerate(value.shape or []) if isinstance(dim, int)}
+        for value in graph.inputs
+    ]
     return Captured(model, output_spec, num_outputs, mutated, exporter, static)
 
 

@@ -281,7 +281,7 @@ def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Recompute | None = None,
-                         scaler: LossScaler | None = None) -> onnx.ModelProto:
+                         scaler: LossScaler | None = None, target: str = "default") -> onnx.ModelProto:
     """Add the gradients of the loss w.r.t. the trainable parameters to the eval model.
 
     With a ``scaler`` the gradients are those of ``loss * loss_scale``, a float32 scalar input after the
@@ -304,8 +304,11 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Rec
         seeds = [seed]
         extra = {"format": LOSS_SCALING_FORMAT, "loss_scaling": scaler.to_json()}
     grads = add_gradient_outputs(model, wrt, [loss_value], seeds=seeds, names=info["trainable"])
-    model = pipeline.artifacts_training(num_outputs, recompute)(model)
+    passes = pipeline.artifacts_training(num_outputs, recompute, sum_rows_by_matmul=target != "web")
+    model = passes(model)
     meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen", "input_checks")}
+    if recompute is not None and any(c.on for c in passes.step("recompute").plan.candidates):
+        meta["recomputed"] = True  # the runtime keeps onnxruntime from merging the clones back (module.py)
     model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training", **extra,
                                                               "gradients": [g.name for g in grads]})
     return ir_version_for_onnxruntime(ir.to_proto(model))
@@ -350,7 +353,8 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
                        artifact_directory: str | os.PathLike | None = None, prefix: str = "",
                        additional_output_names: Sequence[str] | None = None, nominal_checkpoint: bool = False,
                        loss_input_names: Sequence[str] | None = None, overwrite: bool = False,
-                       precision: str = "fp32", recompute=None, loss_scaler: LossScaler | None = None) -> Artifacts:
+                       precision: str = "fp32", recompute=None, loss_scaler: LossScaler | None = None,
+                       target: str = "default") -> Artifacts:
     """Write the training, eval and optimizer models and the checkpoint for on-device training.
 
     ``requires_grad`` names the initializers to train; ``frozen_params`` the ones to keep in the
@@ -377,7 +381,14 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     fraction of the stashed bytes to keep, a number of bytes, a string, or a ``Recompute``, whose ``dims``
     give the sizes of the model's symbolic dims (dims it does not name make sizes unknown, and those values
     are left as they are). The plan is logged at INFO.
+
+    ``target="web"`` writes artifacts for onnxruntime-web (``web/``, docs/web.md): the same files, inputs,
+    outputs and checkpoint, built from other standard ops where onnxruntime-web is slow or fails: the
+    optimizer updates the whole flat vectors without a ``Scan``, and bias gradients stay ``ReduceSum``
+    (the WebGPU provider refuses the row-of-ones ``MatMul``). Any runtime runs either kind.
     """
+    if target not in _TARGETS:
+        raise ValueError(f"target must be one of {sorted(_TARGETS)}, got {target!r}")
     precision = _artifact_precision(precision)
     scaler = _loss_scaler(precision, loss_scaler)
     loss_block = resolve_loss(loss)
@@ -390,7 +401,7 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     eval_proto, info = build_eval_model(proto, requires_grad, frozen_params, loss_block,
                                         additional_output_names, loss_input_names)
     plan = None if recompute is None else Recompute.of(recompute)
-    training_proto = build_training_model(eval_proto, info, plan, scaler)
+    training_proto = build_training_model(eval_proto, info, plan, scaler, target)
     eval_proto = ir.to_proto(pipeline.artifacts_eval_export()(ir.from_proto(eval_proto)))
     if precision == "fp16":  # the products run in float16 in the graphs themselves, on any runtime
         training_proto, eval_proto = (apply_precision(p, "fp16") for p in (training_proto, eval_proto))
@@ -402,7 +413,7 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     opt_proto = None
     if optimizer_block is not None:
         layout = [(n, values[n].dtype, values[n].shape) for n in info["trainable"]]
-        opt_proto = optim_blocks.build_optimizer_model(optimizer_block, layout, scaler)
+        opt_proto = optim_blocks.build_optimizer_model(optimizer_block, layout, scaler, scan=target != "web")
     data = ckpt.CheckpointData(
         parameters={n: values[n] for n in info["trainable"] + info["frozen"]},
         requires_grad={n: n in info["trainable"] for n in info["trainable"] + info["frozen"]},
@@ -421,6 +432,7 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
 
 
 _OVERWRITE_HINT = "pass overwrite=True (onnxtrain artifacts --force)"
+_TARGETS = ("default", "web")
 
 
 __all__ = ["Artifacts", "LossScaler", "LossType", "OptimType", "generate_artifacts"]

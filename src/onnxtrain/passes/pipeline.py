@@ -159,15 +159,19 @@ def artifacts_eval() -> Pipeline:
     ])
 
 
-def artifacts_training(num_outputs: int, recompute: Recompute | None = None) -> Pipeline:
+def artifacts_training(num_outputs: int, recompute: Recompute | None = None, sum_rows_by_matmul: bool = True) -> Pipeline:
     """The eval graph with the gradients added: training_model.onnx. ``num_outputs``: the eval graph's
     outputs (loss and additional outputs), first in the training graph's; ``recompute``: a plan, if any
-    (onnxruntime runs the graph as one, so a recomputed value is freed after its last forward use)."""
+    (onnxruntime runs the graph as one, so a recomputed value is freed after its last forward use);
+    ``sum_rows_by_matmul=False`` keeps the gradients' ``ReduceSum`` (web artifacts: onnxruntime-web's
+    WebGPU MatMul refuses the row-of-ones product)."""
     steps = [
         Step("expand_cross_entropy", ExpandCrossEntropyPass(),
              "after autodiff: the SoftmaxCrossEntropyLoss rule builds the cheaper backward"),
-        Step("sum_rows_by_matmul", SumRowsByMatMulPass(), "after autodiff: rewrites the gradients' leading-axis sums"),
     ]
+    if sum_rows_by_matmul:
+        steps.append(Step("sum_rows_by_matmul", SumRowsByMatMulPass(),
+                          "after autodiff: rewrites the gradients' leading-axis sums"))
     if recompute is not None:
         steps.append(Step("recompute", RecomputePass(num_outputs, recompute),
                           "after the rewrites of the gradient nodes, which it clones forward work for"))

@@ -284,7 +284,8 @@ def grad_gather(g: GradContext):
     rows = b.Reshape(_non_negative(g, indices, _dim(g, x, axis)), b.ints([-1, 1]))
     pre = [_dims(g, x, 0, axis)] if axis else []
     post = [_dims(g, x, axis + 1, rank)] if axis + 1 < rank else []
-    updates = b.Reshape(dy, b.Concat(*pre, b.ints([-1]), *post, axis=0))
+    count = b.Reshape(b.Size(indices), b.ints([1]))  # not -1: an empty batch leaves -1 undecidable
+    updates = b.Reshape(dy, b.Concat(*pre, count, *post, axis=0))
     if axis == 0:
         return _scatter_add_rows(g, shape, rows, updates, x, rank), None
     perm = [axis] + [i for i in range(rank) if i != axis]
@@ -410,7 +411,11 @@ def _grad_pad_constant(g: GradContext):
 
 
 def _grad_pad_mirrored(g: GradContext, mode: str) -> ir.Value:
-    """Axis by axis: keep the centre, fold each border back onto the input positions it copied."""
+    """Axis by axis: keep the centre, fold each border back onto the input positions it copied.
+
+    A negative pad crops first (onnxruntime pads what is left, as PyTorch's negative padding does): the
+    border is folded onto the cropped input, then the cropped positions get zeros.
+    """
     b, x = g.b, g.inputs[0]
     rank = _rank(g, x)
     axes = [_axis(g, a, rank) for a in _const_ints(g, 3, "axes")] if g.has_input(3) else list(range(rank))
@@ -421,7 +426,16 @@ def _grad_pad_mirrored(g: GradContext, mode: str) -> ir.Value:
             continue
         before = b.Slice(g.inputs[1], b.ints([i]), b.ints([i + 1]))
         after = b.Slice(g.inputs[1], b.ints([len(axes) + i]), b.ints([len(axes) + i + 1]))
-        t = _fold_borders(g, t, axis, rank, _dim(g, x, axis), before, after, mode)
+        n = _dim(g, x, axis)
+        if pads is not None and pads[i] >= 0 and pads[len(axes) + i] >= 0:
+            t = _fold_borders(g, t, axis, rank, n, before, after, mode)
+            continue
+        zero = b.ints([0])
+        grow_before, grow_after = b.Max(before, zero), b.Max(after, zero)
+        cut_before, cut_after = b.Sub(grow_before, before), b.Sub(grow_after, after)
+        kept = b.Sub(b.Sub(n, cut_before), cut_after)
+        t = _fold_borders(g, t, axis, rank, kept, grow_before, grow_after, mode)
+        t = _pad_axis(g, t, axis, rank, cut_before, cut_after)
     return t
 
 
