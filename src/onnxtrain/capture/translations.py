@@ -20,6 +20,10 @@
 - ``aten.scatter_reduce.two`` with ``reduce="mean"``: the mean, not a plain scatter (:mod:`.scatter_reduce`).
 - ``aten.atleast_1d/2d/3d.Sequence`` (``hstack``, ``vstack``, ``dstack``, ``column_stack``): one reshape per
   tensor, not an ONNX sequence that no gradient rule differentiates (:mod:`.sequences`).
+- ``aten.divide.Tensor`` / ``aten.true_divide.Tensor`` of a float and an integer tensor: the integer one cast
+  (torch.onnx's type promotion skips these aliases; :mod:`.divide`).
+- ``aten.amax`` / ``aten.amin`` of a 0-d tensor: the tensor (onnxruntime refuses ``ReduceMax`` over axis 0
+  of a rank-0 input; :mod:`.amax`).
 - ``aten.special_log_ndtr``, ``aten.special_erfcx``: refused, so the module runs in PyTorch (:mod:`.refuse`).
 - ``onnxtrain.stop_gradient`` (``detach()``, ``no_grad`` blocks): ``StopGradient`` in the ``onnxtrain``
   domain (:mod:`.stop_gradient`).
@@ -31,8 +35,10 @@ import torch
 from onnxscript import opset18 as op
 
 from onnxtrain.capture.adaptive_pool import adaptive_avg_pool3d, adaptive_max_pool2d
+from onnxtrain.capture.amax import amax, amin
 from onnxtrain.capture.attention import scaled_dot_product_attention
 from onnxtrain.capture.batchnorm import batch_norm_functional, native_batch_norm
+from onnxtrain.capture.divide import divide
 from onnxtrain.capture.elementwise import copysign, fmax, fmin, hypot
 from onnxtrain.capture.padding import pad
 from onnxtrain.capture.pooling import avg_pool2d, avg_pool3d
@@ -113,6 +119,10 @@ TRANSLATIONS = {
     torch.ops.aten.atleast_1d.Sequence: atleast_1d_sequence,
     torch.ops.aten.atleast_2d.Sequence: atleast_2d_sequence,
     torch.ops.aten.atleast_3d.Sequence: atleast_3d_sequence,
+    torch.ops.aten.amax.default: amax,
+    torch.ops.aten.amin.default: amin,
+    torch.ops.aten.divide.Tensor: divide,
+    torch.ops.aten.true_divide.Tensor: divide,
     torch.ops.aten.special_log_ndtr.default: special_log_ndtr,
     torch.ops.aten.special_erfcx.default: special_erfcx,
     torch.ops.onnxtrain.stop_gradient.default: translate_stop_gradient,
