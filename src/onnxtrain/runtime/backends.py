@@ -86,10 +86,10 @@ def resolve(backend: str | None, precision: str | None, device: str = "cpu") -> 
 
 
 def create_session(model, backend: str = "onnxruntime", precision: str = "fp32", session_options=None,
-                   providers=None):
+                   providers=None, disabled_optimizers=()):
     """A session for ``model`` (a path or the model's bytes) on a resolved backend and precision
     (:func:`resolve`). ``session_options`` (an ``onnxruntime.SessionOptions``) also give OpenVINO its
-    thread count."""
+    thread count; ``disabled_optimizers``: onnxruntime graph transformers not to run."""
     if backend == "openvino":
         from onnxtrain.runtime.openvino import OpenVINOSession
 
@@ -103,7 +103,9 @@ def create_session(model, backend: str = "onnxruntime", precision: str = "fp32",
 
     if isinstance(model, os.PathLike):
         model = str(model)
-    return ort.InferenceSession(model, sess_options=session_options, providers=providers or ["CPUExecutionProvider"])
+    extra = {"disabled_optimizers": list(disabled_optimizers)} if disabled_optimizers else {}
+    return ort.InferenceSession(model, sess_options=session_options, providers=providers or ["CPUExecutionProvider"],
+                                **extra)
 
 
 def _warn_once(key: str, message: str) -> None:
