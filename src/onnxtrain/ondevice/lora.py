@@ -28,11 +28,11 @@ import onnx
 
 from onnxtrain.ondevice.artifacts import Artifacts, generate_artifacts
 from onnxtrain.ondevice.lora_add import add_lora_adapters
-from onnxtrain.ondevice.lora_quant import quantize_base_int8, quantize_rows_int8
+from onnxtrain.ondevice.lora_quant import quantize_base, quantize_base_int8, quantize_rows_int8
 from onnxtrain.utils.io import load_model
 
 ADAPTER_MARKERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
-BASE_FORMATS = ("float32", "int8")
+BASE_FORMATS = ("float32", "int8", "int4")
 
 
 def split_parameters(model: onnx.ModelProto, adapter_markers: Sequence[str] = ADAPTER_MARKERS) -> tuple[list[str], list[str]]:
@@ -51,7 +51,8 @@ def generate_lora_artifacts(model: onnx.ModelProto | str | os.PathLike, base: st
                             adapter_markers: Sequence[str] = ADAPTER_MARKERS, target_modules: Sequence[str] | None = None,
                             r: int = 8, alpha: float = 16, seed: int = 0, **kwargs) -> Artifacts:
     """:func:`generate_artifacts` training the LoRA adapters only; the base frozen, stored once, as
-    ``base`` ("float32", or "int8": per-row int8 matrices). ``target_modules`` (a model without adapters):
+    ``base`` ("float32"; "int8": per-row int8 matrices; "int4": int4 blocks of 32 along each row, two
+    values a byte, read by standard ONNX ops: :mod:`onnxtrain.ondevice.lora_quant`). ``target_modules`` (a model without adapters):
     onnxtrain adds rank-``r`` adapters scaled by ``alpha / r`` to these linear layers itself
     (:func:`onnxtrain.ondevice.lora_add.add_lora_adapters`, A drawn with ``seed``, B zero). Other arguments
     go to generate_artifacts (``loss``, ``optimizer``, ``artifact_directory``, ...)."""
@@ -65,8 +66,8 @@ def generate_lora_artifacts(model: onnx.ModelProto | str | os.PathLike, base: st
     if target_modules is not None:
         proto = add_lora_adapters(proto, target_modules, r=r, alpha=alpha, seed=seed)
     adapters, frozen = split_parameters(proto, adapter_markers)
-    if base == "int8":
-        proto, frozen = quantize_base_int8(proto, frozen)
+    if base != "float32":
+        proto, frozen = quantize_base(proto, frozen, bits=8 if base == "int8" else 4)
     return generate_artifacts(proto, requires_grad=adapters, frozen_params=frozen, **kwargs)
 
 
