@@ -311,3 +311,6 @@ def test_int4_base_trains_as_peft_on_the_dequantized_weights(peft_llama, float_r
             np.testing.assert_allclose(state.parameters[name].data, p.detach().numpy(), rtol=1e-3, atol=1e-5)
     q_name = f"{Q_PROJ}.base_layer.weight.int4"
     np.testing.assert_array_equal(state.parameters[q_name].data, start.parameters[q_name].data)
+    # the gradient nodes unpack the weights again instead of keeping the forward's float32 copies
+    nodes = onnx.load(tmp_path / "training_model.onnx").graph.node
+    assert any(n.op_type == "Div" and n.name.endswith("/again_in_backward") for n in nodes)

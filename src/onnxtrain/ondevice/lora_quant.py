@@ -202,4 +202,89 @@ def quantize_base_int8(model: onnx.ModelProto, names: Sequence[str]) -> tuple[on
     return quantize_base(model, names, bits=8)
 
 
-__all__ = ["dequantize_blocks_int4", "quantize_base", "quantize_base_int8", "quantize_blocks_int4", "quantize_rows_int8"]
+
+
+def _forward_nodes(nodes: list[onnx.NodeProto], outputs: list[str]) -> set[int]:
+    """Indices of the nodes that ``outputs`` (the loss and additional outputs) need."""
+    producers = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    seen: set[int] = set()
+    stack = list(outputs)
+    while stack:
+        k = producers.get(stack.pop())
+        if k is None or k in seen:
+            continue
+        seen.add(k)
+        stack.extend(i for i in nodes[k].input if i)
+    return seen
+
+
+def _clone_for_backward(nodes: list[onnx.NodeProto], chain: list[int], sixteen: str) -> tuple[list[onnx.NodeProto], dict]:
+    """Copies of ``nodes[chain]`` with new output names; a right shift of a packed weight becomes a Div."""
+    clones, rename = [], {}
+    for k in chain:
+        maker = nodes[k]
+        copy = onnx.NodeProto()
+        copy.CopyFrom(maker)
+        copy.name = f"{maker.name or maker.op_type}/again_in_backward"
+        inputs = [rename.get(i, i) for i in maker.input]
+        if maker.op_type == "BitShift" and maker.input[0] not in rename \
+                and helper.get_attribute_value(maker.attribute[0]) == b"RIGHT":
+            del copy.attribute[:]
+            copy.op_type, inputs = "Div", [maker.input[0], sixteen]
+        del copy.input[:]
+        copy.input.extend(inputs)
+        del copy.output[:]
+        copy.output.extend(f"{o}/again_in_backward" for o in maker.output)
+        rename.update(zip(maker.output, copy.output))
+        clones.append(copy)
+    return clones, rename
+
+
+def unpack_again_in_backward(model: onnx.ModelProto, num_forward_outputs: int, parameters: Sequence[str]) -> int:
+    """Give the gradient nodes their own unpacking of each int4 weight (in place); returns how many values.
+
+    The backward of ``y = x W^T`` reads ``W`` again (``dx = dy W``). Without this, each unpacked float32
+    weight would live from its forward product to its backward one: all of them at once at the turn from
+    forward to backward (measured: a higher peak than the float32 base's). The pass clones, for each value
+    that gradient nodes read and that only parameters and constants make (the unpacking, a weight's
+    ``Transpose``), the nodes that make it, just before the first gradient node that reads it. The clone's
+    first op shifts by ``Div(packed, 16)`` instead of ``BitShift``, so that onnxruntime's
+    common-subexpression elimination does not merge it back into the forward one.
+    """
+    graph = model.graph
+    nodes = list(graph.node)
+    forward = _forward_nodes(nodes, [o.name for o in graph.output[:num_forward_outputs]])
+    producers = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    made_of_weights = set(parameters) | {t.name for t in graph.initializer}
+    for k, node in enumerate(nodes):  # in graph order: a node's inputs come before it
+        if k in forward and (all(i in made_of_weights for i in node.input if i) if node.input
+                             else node.op_type == "Constant"):
+            made_of_weights.update(o for o in node.output if o)
+    sixteen = f"{_C}16"
+    renamed: dict[str, str] = {}
+    before: dict[int, list[onnx.NodeProto]] = {}
+    for k, node in enumerate(nodes):
+        if k in forward:
+            continue
+        for j, name in enumerate(node.input):
+            if name not in made_of_weights or name not in producers:
+                continue
+            if name not in renamed:
+                chain, stack = set(), [name]
+                while stack:  # the nodes that make ``name``
+                    maker = producers.get(stack.pop())
+                    if maker is not None and maker not in chain:
+                        chain.add(maker)
+                        stack.extend(nodes[maker].input)
+                clones, rename = _clone_for_backward(nodes, sorted(chain), sixteen)
+                renamed[name] = rename[name]
+                before.setdefault(k, []).extend(clones)  # just before the first reader: still sorted
+            node.input[j] = renamed[name]
+    if renamed:
+        del graph.node[:]
+        graph.node.extend(n for k, node in enumerate(nodes) for n in (*before.get(k, []), node))
+        graph.initializer.append(numpy_helper.from_array(np.array(16, dtype=np.uint8), sixteen))
+    return len(renamed)
+
+__all__ = ["dequantize_blocks_int4", "quantize_base", "quantize_base_int8", "quantize_blocks_int4", "quantize_rows_int8",
+           "unpack_again_in_backward"]
