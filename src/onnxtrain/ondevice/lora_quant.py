@@ -9,7 +9,7 @@
 - any other matrix (a linear weight ``[out, in]``) is read through a standard ``DequantizeLinear(axis=0)``.
 
 ``quantize_base(..., bits=4)`` stores ``<W>.int4`` instead: symmetric int4 per block of 32 values along each
-row (``<W>.scale`` is ``[out, in / 32]``), two values a byte in a uint8 tensor (the checkpoint and the
+row (16 where the row's length is not a multiple of 32; ``<W>.scale`` is ``[out, in / block]``), two values a byte in a uint8 tensor (the checkpoint and the
 runtime bind numpy arrays, and numpy has no int4). The graph unpacks it with standard ONNX ops (BitShift,
 Sub, Concat, Reshape, Cast, Mul; opset 15 or later), so the artifacts run on any ONNX runtime; this is
 what ``DequantizeLinear`` with an int4 tensor and ``block_size=32`` (opset 21) computes, without needing
@@ -71,6 +71,7 @@ def _gather_then_dequantize(gather: onnx.NodeProto, qname: str, sname: str) -> l
 
 
 INT4_BLOCK = 32
+INT4_BLOCKS = (INT4_BLOCK, 16)  # 16 where a row's length is not a multiple of 32 (688: 43 blocks of 16)
 _C = "lora.int4."  # the int4 reading's shared constants
 
 
@@ -139,7 +140,7 @@ def quantize_base(model: onnx.ModelProto, names: Sequence[str], bits: int = 8) -
     (``bits=4``, packed) and ``<W>.scale``, read as the module docstring says.
 
     Returns the model and the names of the new initializers in place of the quantized ones; initializers
-    that are not float32 matrices (or, for int4, whose rows are not a multiple of the block) are left as
+    that are not float32 matrices (or, for int4, whose rows are a multiple of neither 32 nor 16) are left as
     they are and keep their names.
     """
     if bits not in BITS:
@@ -156,14 +157,15 @@ def quantize_base(model: onnx.ModelProto, names: Sequence[str], bits: int = 8) -
     outputs = {o.name for o in graph.output}
     head, kept, out_names, replaced, constants = [], [], [], {}, {}
     for t in list(graph.initializer):
+        block = next((b for b in INT4_BLOCKS if len(t.dims) == 2 and t.dims[1] % b == 0), None)
         if t.name not in names or t.data_type != onnx.TensorProto.FLOAT or len(t.dims) != 2 \
-                or (bits == 4 and t.dims[1] % INT4_BLOCK):
+                or (bits == 4 and block is None):
             kept.append(t)
             if t.name in names:
                 out_names.append(t.name)
             continue
         weight = numpy_helper.to_array(t)
-        q, scale = quantize_rows_int8(weight) if bits == 8 else quantize_blocks_int4(weight)
+        q, scale = quantize_rows_int8(weight) if bits == 8 else quantize_blocks_int4(weight, block)
         qname, sname = f"{t.name}.{BITS[bits]}", f"{t.name}.scale"
         clash = [n for n in (qname, sname) if n in taken]
         if clash:
@@ -171,7 +173,7 @@ def quantize_base(model: onnx.ModelProto, names: Sequence[str], bits: int = 8) -
         kept += [numpy_helper.from_array(q, qname), numpy_helper.from_array(scale, sname)]
         out_names += [qname, sname]
         if bits == 4:
-            constants.update({c.name: c for c in _int4_constants(int(t.dims[1]), INT4_BLOCK)})
+            constants.update({c.name: c for c in _int4_constants(int(t.dims[1]), block)})
         if _gathered_only(t.name, readers, outputs):
             for g in readers[t.name]:
                 if bits == 8:
@@ -182,11 +184,11 @@ def quantize_base(model: onnx.ModelProto, names: Sequence[str], bits: int = 8) -
                     replaced[id(g)] = [
                         helper.make_node("Gather", [qname, g.input[1]], [f"{out}.packed"], axis=0, name=f"{base}/int4"),
                         helper.make_node("Gather", [sname, g.input[1]], [f"{out}.scale"], axis=0, name=f"{base}/scale"),
-                        *_unpack_int4(f"{out}.packed", f"{out}.scale", out, int(t.dims[1]), INT4_BLOCK)]
+                        *_unpack_int4(f"{out}.packed", f"{out}.scale", out, int(t.dims[1]), block)]
         elif bits == 8:
             head.append(helper.make_node("DequantizeLinear", [qname, sname], [t.name], axis=0, name=f"dequantize/{t.name}"))
         else:
-            head += _unpack_int4(qname, sname, t.name, int(t.dims[1]), INT4_BLOCK)
+            head += _unpack_int4(qname, sname, t.name, int(t.dims[1]), block)
     del graph.initializer[:]
     graph.initializer.extend(kept + list(constants.values()))
     old = list(graph.node)
