@@ -1,7 +1,14 @@
 """Activation memory and step time against the recompute budget (``DebugOptions(recompute=...)``).
 
-    python benchmarks/memory_bench.py                       # BERT-small and GPT-2-small at 4x batch
+    python benchmarks/memory_bench.py --workloads bert gpt2 --budgets 1.0 0.75 0.5 0.25 0.0 --scale 4
     python benchmarks/memory_bench.py --workloads bert --budgets none 1.0 0.5 0.0 --rounds 2
+
+Activation memory is measured with ``--allocator malloc`` (the default): onnxruntime without its arena
+(``ONNXTRAIN_CPU_ARENA=0``) and glibc with a fixed mmap threshold, for eager PyTorch as for ORTModule, so
+that what a step frees goes back to the system. With onnxruntime's arena (``--allocator arena``, the
+library's default) the arena keeps the step's high-water mark between steps, "peak minus between" is flat
+(57-60 MB at every budget) and only the process peak moves. Eager is always run, for the peak and step
+comparisons; the issue's targets are printed after each workload's table, met or not.
 
 Each (workload, budget) runs in its own process (one thread unless --threads), so that onnxruntime's arena
 and the process high-water mark belong to that budget alone; rounds alternate the order of the budgets.
@@ -21,15 +28,26 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import ondevice_bench  # noqa: E402
 from ondevice_bench import peak_rss_mb  # noqa: E402
 from ortmodule_bench import make_workload  # noqa: E402
 
 BUDGETS = ("eager", "none", "1.0", "0.75", "0.5", "0.25", "0.0")
+ARTIFACTS_ENV = "MEMORY_BENCH_ARTIFACTS"  # where the parent put the on-device artifacts, one folder a budget
+# "malloc": onnxruntime without its arena and glibc with a fixed mmap threshold, so that every buffer of
+# 64 KiB or more (torch's and onnxruntime's alike) is returned to the system when freed: RSS between steps
+# is then what stays alive (weights, gradients, optimizer state), and the peak above it is the step's.
+# "arena": onnxruntime's shared arena (the default), which never shrinks; only the process peak moves.
+ALLOCATORS = {
+    "malloc": {"ONNXTRAIN_CPU_ARENA": "0", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"},
+    "arena": {},
+}
 
 
 def rss_mb() -> float:
@@ -50,10 +68,28 @@ def reset_peak() -> bool:
         return False
 
 
+def measure(step, steps: int) -> dict:
+    """A warm-up step, then ``steps`` timed ones: step time, RSS before each, activation (peak - before)."""
+    step()
+    times, between, step_peak = [], [], []
+    for _ in range(steps):
+        gc.collect()
+        before = rss_mb()
+        reset = reset_peak()
+        times.append(step())
+        between.append(before)
+        step_peak.append(peak_rss_mb() if reset else float("nan"))
+    return {"median_s": statistics.median(times), "between_mb": statistics.median(between),
+            "activation_mb": statistics.median(p - b for p, b in zip(step_peak, between)),
+            "step_peak_mb": statistics.median(step_peak)}
+
+
 def worker(workload: str, budget: str, steps: int, scale: int, threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
+    if workload.startswith("ondevice-"):
+        return ondevice_worker(workload, budget, steps, scale, threads)
     model, loss_fn = make_workload(workload, scale)
     model.train()
     runner = model
@@ -73,31 +109,98 @@ def worker(workload: str, budget: str, steps: int, scale: int, threads: int) -> 
         del loss
         return time.perf_counter() - start
 
-    step()
-    times, between, step_peak = [], [], []
-    for _ in range(steps):
-        gc.collect()
-        before = rss_mb()
-        reset = reset_peak()
-        times.append(step())
-        between.append(before)
-        step_peak.append(peak_rss_mb() if reset else float("nan"))
+    measured = measure(step, steps)
     kept = None
     if budget != "eager":
         if runner.fallback_reason is not None:
             raise RuntimeError(f"ORTModule fell back to PyTorch: {runner.fallback_reason}")
         plans = [t.recompute for entries in runner._cache.values() for g in entries for t in g.training.values()]
         kept = sum(p.stashed_bytes - p.saved_bytes for p in plans if p is not None) / 2**20
-    return {"workload": workload, "budget": budget, "median_s": statistics.median(times),
-            "between_mb": statistics.median(between),
-            "activation_mb": statistics.median(p - b for p, b in zip(step_peak, between)),
-            "step_peak_mb": statistics.median(step_peak), "process_peak_mb": peak_rss_mb(), "kept_mb": kept}
+    return {"workload": workload, "budget": budget, **measured, "process_peak_mb": peak_rss_mb(), "kept_mb": kept}
+
+
+# -- the on-device artifacts (ondevice_bench.py's BERT-small at ``scale`` x its batch of 8) ---------------
+
+
+def _ondevice_batch(name: str, scale: int):
+    import numpy as np
+
+    inputs, labels = ondevice_bench.make_batch(name)
+    return [np.tile(x, (scale,) + (1,) * (x.ndim - 1)) for x in inputs], np.tile(labels, scale)
+
+
+def generate_ondevice(name: str, budgets: list[str], scale: int, out: Path) -> None:
+    """Export once, then one artifact directory per budget (``out/<budget>``), all with the same weights."""
+    import onnx
+    import torch
+
+    from onnxtrain import artifacts
+    from onnxtrain.passes.recompute import Recompute
+
+    model = ondevice_bench.build_torch_model(name).eval()
+    inputs, _ = _ondevice_batch(name, scale)
+    example = tuple(torch.from_numpy(x) for x in inputs)
+    names = ["x"] if name == "mlp" else ["input_ids", "attention_mask"]
+    program = torch.onnx.export(model, example, dynamo=True, input_names=names, output_names=["logits"],
+                                dynamic_shapes=tuple({0: "batch"} for _ in example), optimize=False)
+    program.save(str(out / "model.onnx"))
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    dims = {d.dim_param: int(x.shape[k]) for i, x in zip(graph.input, inputs)
+            for k, d in enumerate(i.type.tensor_type.shape.dim) if d.dim_param}
+    trainable = [n for n, _ in model.named_parameters()]
+    for budget in budgets:
+        if budget == "eager":
+            continue
+        plan = None if budget == "none" else Recompute(budget=float(budget), dims=dims)
+        (out / budget).mkdir()
+        artifacts.generate_artifacts(out / "model.onnx", requires_grad=trainable,
+                                     loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
+                                     artifact_directory=out / budget, recompute=plan)
+
+
+def ondevice_worker(workload: str, budget: str, steps: int, scale: int, threads: int) -> dict:
+    name = workload.removeprefix("ondevice-")
+    inputs, labels = _ondevice_batch(name, scale)
+    if budget == "eager":
+        import torch
+
+        model = ondevice_bench.build_torch_model(name).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        tensors, target = [torch.from_numpy(x) for x in inputs], torch.from_numpy(labels)
+
+        def step() -> float:
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(*tensors), target).backward()
+            optimizer.step()
+            return time.perf_counter() - start
+    else:
+        from onnxtrain.api import CheckpointState, Module, Optimizer
+        from onnxtrain.utils.ort_options import for_training
+
+        options = for_training()
+        options.intra_op_num_threads = threads
+        d = Path(os.environ[ARTIFACTS_ENV]) / budget
+        module = Module(d / "training_model.onnx", CheckpointState.load_checkpoint(d / "checkpoint"),
+                        session_options=options)
+        optimizer = Optimizer(d / "optimizer_model.onnx", module)
+        optimizer.set_learning_rate(1e-4)
+
+        def step() -> float:
+            start = time.perf_counter()
+            module(*inputs, labels)
+            optimizer.step()
+            module.lazy_reset_grad()
+            return time.perf_counter() - start
+    return {"workload": workload, "budget": budget, **measure(step, steps), "process_peak_mb": peak_rss_mb(),
+            "kept_mb": None}
 
 
 def run_one(workload: str, budget: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", workload, budget, "--steps", str(args.steps),
            "--scale", str(args.scale), "--threads", str(args.threads)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = {**os.environ, **ALLOCATORS[args.allocator], ARTIFACTS_ENV: str(args.artifacts or "")}
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{workload} {budget} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -111,31 +214,82 @@ def main(argv=None) -> int:
     parser.add_argument("--scale", type=int, default=4, help="batch multiplier (4: the issue's 4x batch)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--allocator", choices=sorted(ALLOCATORS), default="malloc")
     parser.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "BUDGET"))
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(*args.worker, args.steps, args.scale, args.threads)))
         return 0
+    if "eager" not in args.budgets:
+        args.budgets = ["eager", *args.budgets]  # the peak and the step are also held against eager's
     for workload in args.workloads:
-        results: dict[str, list[dict]] = {b: [] for b in args.budgets}
-        for k in range(args.rounds):
-            for budget in (args.budgets if k % 2 == 0 else args.budgets[::-1]):
-                results[budget].append(run_one(workload, budget, args))
-        med = {b: {key: statistics.median(r[key] for r in rs) for key in rs[0] if key not in ("workload", "budget")
-                   and rs[0][key] is not None} for b, rs in results.items()}
-        base = med.get("1.0")
-        print(f"\n{workload} at {args.scale}x batch, {args.threads} thread(s), {args.rounds} round(s), "
-              f"{args.steps} steps each; medians")
-        print(f"{'budget':>7} {'step':>9} {'vs 1.0':>7} {'activation':>11} {'vs 1.0':>7} {'between':>9} "
-              f"{'step peak':>10} {'proc peak':>10} {'stash kept':>11}")
-        for b in args.budgets:
-            m = med[b]
-            t_ratio = f"{m['median_s'] / base['median_s']:.2f}x" if base else "-"
-            a_ratio = f"{m['activation_mb'] / base['activation_mb']:.2f}x" if base and base['activation_mb'] > 0 else "-"
-            kept = f"{m['kept_mb']:9.1f}MB" if "kept_mb" in m else "-"
-            print(f"{b:>7} {m['median_s'] * 1e3:7.1f}ms {t_ratio:>7} {m['activation_mb']:9.0f}MB {a_ratio:>7} "
-                  f"{m['between_mb']:7.0f}MB {m['step_peak_mb']:8.0f}MB {m['process_peak_mb']:8.0f}MB {kept:>11}")
+        with tempfile.TemporaryDirectory(prefix="memory_bench_") as tmp:
+            if workload.startswith("ondevice-"):
+                generate_ondevice(workload.removeprefix("ondevice-"), args.budgets, args.scale, Path(tmp))
+            args.artifacts = tmp
+            report(workload, args)
     return 0
+
+
+def report(workload: str, args) -> None:
+    """Run every budget of ``workload`` (rounds alternate their order); print the table and the targets."""
+    results: dict[str, list[dict]] = {b: [] for b in args.budgets}
+    for k in range(args.rounds):
+        for budget in (args.budgets if k % 2 == 0 else args.budgets[::-1]):
+            results[budget].append(run_one(workload, budget, args))
+    med = {b: {key: statistics.median(r[key] for r in rs) for key in rs[0] if key not in ("workload", "budget")
+               and rs[0][key] is not None} for b, rs in results.items()}
+    base = med.get("1.0")
+    print(f"\n{workload} at {args.scale}x batch, {args.threads} thread(s), {args.rounds} round(s), "
+          f"{args.steps} steps each; medians")
+    print(f"{'budget':>7} {'step':>9} {'vs 1.0':>7} {'activation':>11} {'vs 1.0':>7} {'between':>9} "
+          f"{'step peak':>10} {'proc peak':>10} {'stash kept':>11}")
+    for b in args.budgets:
+        m = med[b]
+        t_ratio = f"{m['median_s'] / base['median_s']:.2f}x" if base else "-"
+        a_ratio = f"{m['activation_mb'] / base['activation_mb']:.2f}x" if base and base['activation_mb'] > 0 else "-"
+        kept = f"{m['kept_mb']:9.1f}MB" if "kept_mb" in m else "-"
+        print(f"{b:>7} {m['median_s'] * 1e3:7.1f}ms {t_ratio:>7} {m['activation_mb']:9.0f}MB {a_ratio:>7} "
+              f"{m['between_mb']:7.0f}MB {m['step_peak_mb']:8.0f}MB {m['process_peak_mb']:8.0f}MB {kept:>11}")
+    for line in targets(med):
+        print(line)
+
+
+def targets(med: dict[str, dict]) -> list[str]:
+    """Issue 18's targets, each with the numbers it is checked on and whether it is met."""
+    base, eager = med.get("1.0"), med.get("eager")
+    lines = ["targets (issue 18):"]
+    if base is None:
+        return lines + ["  no budget 1.0 (no recompute) to compare with"]
+
+    def row(name: str, ok: bool, numbers: str) -> str:
+        return f"  {'met' if ok else 'NOT met':>7}  {name}: {numbers}"
+
+    def reduction(b: str) -> tuple[float, float]:
+        return 1 - med[b]["activation_mb"] / base["activation_mb"], med[b]["median_s"] / base["median_s"] - 1
+
+    budgets = sorted((b for b in med if b not in ("eager", "none")), key=float, reverse=True)
+    if "0.5" in med:
+        less, slower = reduction("0.5")
+        lines.append(row("budget 0.5: activation memory >= 40% lower, step <= 15% slower", less >= 0.40 and slower <= 0.15,
+                         f"{less:.0%} lower, {slower:+.0%} step time"))
+    smallest = budgets[-1]
+    if smallest != "1.0":
+        less, slower = reduction(smallest)
+        lines.append(row(f"smallest budget {smallest}: >= 70% lower, <= 35% slower", less >= 0.70 and slower <= 0.35,
+                         f"{less:.0%} lower, {slower:+.0%} step time"))
+    peaks = [med[b]["process_peak_mb"] for b in budgets]
+    rises = [f"{a}->{b}" for a, b, pa, pb in zip(budgets, budgets[1:], peaks, peaks[1:]) if pb > pa]
+    lines.append(row(f"peak RSS never rises as the budget falls ({len(budgets)} budgets)", not rises,
+                     " ".join(f"{b}:{p:.0f}MB" for b, p in zip(budgets, peaks))
+                     + (f"; rises at {', '.join(rises)}" if rises else "")))
+    if eager is not None and "0.5" in med:
+        half = med["0.5"]
+        lines.append(row("budget 0.5: peak RSS below eager's", half["process_peak_mb"] < eager["process_peak_mb"],
+                         f"{half['process_peak_mb']:.0f} MB vs {eager['process_peak_mb']:.0f} MB"))
+        lines.append(row("budget 0.5: step faster than eager's", half["median_s"] < eager["median_s"],
+                         f"{half['median_s'] * 1e3:.0f} ms vs {eager['median_s'] * 1e3:.0f} ms"))
+    return lines
 
 
 if __name__ == "__main__":

@@ -48,3 +48,7 @@ python -m pytest -m "slow and not flower"
 
 echo "== tier: the whole OpInfo sweep through ORTModule (tests/opinfo, -m opinfo_full; about 10 minutes here)"
 python -m pytest -s -m opinfo_full tests/opinfo
+
+echo "== tier: distributed (two processes on CPU: ORTModule in DeepSpeed ZeRO-1/2/3 and FSDP2 against eager)"
+# deepspeed comes with .[test]; its CPU accelerator JIT-builds one op (cached in ~/.cache/torch_extensions).
+DS_ACCELERATOR=cpu timeout 1800 python -m pytest -m distributed tests/distributed

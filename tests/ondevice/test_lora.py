@@ -161,3 +161,153 @@ def test_lora_errors(peft_llama, mlp_onnx, tmp_path):
         generate_lora_artifacts(peft_llama[1], requires_grad=["x"], artifact_directory=tmp_path)
     with pytest.raises(ValueError, match="base must be one of"):
         generate_lora_artifacts(peft_llama[1], base="int3", artifact_directory=tmp_path)
+
+
+def _run_loss(path, x, y):
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return float(session.run(None, {"input_ids": x, "labels": y})[0])
+
+
+def test_export_merges_the_adapters_or_keeps_them_as_peft_names_them(peft_llama, float_run, tmp_path):
+    """Against PEFT with the trained adapters: merge_and_unload()'s weights and loss for the merged export,
+    the unmerged model's loss for the separate one, whose adapter initializers keep PEFT's names."""
+    model, _ = peft_llama
+    _, state, module, _ = float_run
+    module.export_model_for_inferencing(tmp_path / "merged.onnx", ["loss"], merge_adapters=True)
+    module.export_model_for_inferencing(tmp_path / "separate.onnx", ["loss"])
+    reference = copy.deepcopy(model)
+    adapters = [n for n, p in reference.named_parameters() if p.requires_grad]
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if p.requires_grad:
+                p.copy_(torch.from_numpy(state.parameters[name].data))
+    x, y = _batches(1, seed=1)[0]
+    with torch.no_grad():
+        separate_ref = reference(torch.from_numpy(x), torch.from_numpy(y)).item()
+        merged_model = WithLoss(reference.model.merge_and_unload()).eval()
+        merged_ref = merged_model(torch.from_numpy(x), torch.from_numpy(y)).item()
+
+    separate = onnx.load(tmp_path / "separate.onnx")
+    assert sorted(t.name for t in separate.graph.initializer if "lora_" in t.name) == sorted(adapters)
+    assert _run_loss(tmp_path / "separate.onnx", x, y) == pytest.approx(separate_ref, rel=1e-5)
+
+    merged = onnx.load(tmp_path / "merged.onnx")
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in merged.graph.initializer}
+    assert not [n for n in inits if "lora_" in n]
+    assert not [n for n in merged.graph.node if "lora_" in " ".join(n.input)]
+    q_merged = dict(merged_model.named_parameters())["model.model.layers.0.self_attn.q_proj.weight"]
+    np.testing.assert_allclose(inits[f"{Q_PROJ}.base_layer.weight"], q_merged.detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert _run_loss(tmp_path / "merged.onnx", x, y) == pytest.approx(merged_ref, rel=1e-5)
+
+
+def test_merge_with_an_int8_base_keeps_the_loss(peft_llama, tmp_path):
+    """The merged int8 export (merged layers float32, the rest int8) computes what the separate one does."""
+    generate_lora_artifacts(peft_llama[1], base="int8", loss=None, optimizer="adamw", artifact_directory=tmp_path)
+    state, module, _ = _train(tmp_path)
+    module.export_model_for_inferencing(tmp_path / "merged.onnx", ["loss"], merge_adapters=True)
+    module.export_model_for_inferencing(tmp_path / "separate.onnx", ["loss"])
+    x, y = _batches(1, seed=1)[0]
+    assert _run_loss(tmp_path / "merged.onnx", x, y) == pytest.approx(_run_loss(tmp_path / "separate.onnx", x, y),
+                                                                     rel=1e-5)
+    merged = {t.name: t for t in onnx.load(tmp_path / "merged.onnx").graph.initializer}
+    assert merged[f"{Q_PROJ}.base_layer.weight"].data_type == onnx.TensorProto.FLOAT
+    k_proj = "model.base_model.model.model.layers.0.self_attn.k_proj.weight"
+    assert merged[f"{k_proj}.int8"].data_type == onnx.TensorProto.INT8 and k_proj not in merged
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        from onnxtrain.ondevice.lora_merge import merge_adapters
+
+        merge_adapters(onnx.load(tmp_path / "eval_model.onnx"), {})
+
+
+def test_adapters_onnxtrain_adds_itself_train_as_peft(tmp_path):
+    """A plain Llama export (no PEFT): target_modules adds the adapters; PEFT started from the same base and
+    the same initial adapters trains to losses within 1e-4 over 20 steps, and merging matches PEFT's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    plain = WithLoss(LlamaForCausalLM(config)).eval()
+    ids, labels = (torch.from_numpy(a) for a in _batches(1)[0])
+    torch.onnx.export(copy.deepcopy(plain), (ids, labels), dynamo=True, input_names=["input_ids", "labels"],
+                      output_names=["loss"], optimize=False, verbose=False,
+                      dynamic_shapes=({0: "batch", 1: "seq"}, {0: "batch", 1: "seq"})).save(str(tmp_path / "plain.onnx"))
+    out = tmp_path / "artifacts"
+    generate_lora_artifacts(tmp_path / "plain.onnx", target_modules=["q_proj", "v_proj"], r=4, alpha=8, seed=3,
+                            loss=None, optimizer="adamw", artifact_directory=out)
+    start = CheckpointState.load_checkpoint(out / "checkpoint")
+    ours = [n for n in start.parameters if start.parameters[n].requires_grad]
+    assert len(ours) == 8 and all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in ours)
+
+    reference = WithLoss(peft.get_peft_model(copy.deepcopy(plain.model), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))).train()
+    peft_name = lambda n: n.replace("model.", "model.base_model.model.", 1).replace(".weight", ".default.weight")  # noqa: E731
+    with torch.no_grad():
+        params = dict(reference.named_parameters())
+        assert sorted(peft_name(n) for n in ours) == sorted(n for n, p in params.items() if p.requires_grad)
+        for name in ours:
+            params[peft_name(name)].copy_(torch.from_numpy(start.parameters[name].data))
+    optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
+    ref_losses = []
+    for x, y in _batches():
+        optimizer.zero_grad()
+        loss = reference(torch.from_numpy(x), torch.from_numpy(y))
+        loss.backward()
+        optimizer.step()
+        ref_losses.append(loss.item())
+    state, module, losses = _train(out)
+    assert ref_losses[-1] < ref_losses[0]
+    assert_losses_close(losses, ref_losses, rtol=1e-4)
+    for name in ours:
+        np.testing.assert_allclose(state.parameters[name].data, params[peft_name(name)].detach().numpy(),
+                                   rtol=1e-3, atol=1e-5)
+    module.export_model_for_inferencing(tmp_path / "merged.onnx", ["loss"], merge_adapters=True)
+    x, y = _batches(1, seed=1)[0]
+    with torch.no_grad():
+        merged_ref = WithLoss(reference.model.merge_and_unload())(torch.from_numpy(x), torch.from_numpy(y)).item()
+    assert _run_loss(tmp_path / "merged.onnx", x, y) == pytest.approx(merged_ref, rel=1e-5)
+    with pytest.raises(ValueError, match="no linear layer matches"):
+        generate_lora_artifacts(tmp_path / "plain.onnx", target_modules=["qkv"], artifact_directory=tmp_path / "x")
+
+
+def test_int4_base_trains_as_peft_on_the_dequantized_weights(peft_llama, float_run, tmp_path):
+    """int4 blocks (two values a byte): PEFT + PyTorch with every quantized matrix replaced by numpy's
+    dequantization of it trains to the same losses (1e-4) over 20 steps; the loss curve stays within 2%
+    of the float32 base's."""
+    from onnxtrain.ondevice.lora_quant import dequantize_blocks_int4
+
+    model, _ = peft_llama
+    _, _, _, f32_losses = float_run
+    generate_lora_artifacts(peft_llama[1], base="int4", loss=None, optimizer="adamw", artifact_directory=tmp_path)
+    start = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    reference = copy.deepcopy(model).train()
+    quantized = 0
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if f"{name}.int4" in start.parameters:
+                packed, scale = start.parameters[f"{name}.int4"].data, start.parameters[f"{name}.scale"].data
+                assert packed.dtype == np.uint8 and packed.shape == (p.shape[0], p.shape[1] // 2)
+                p.copy_(torch.from_numpy(dequantize_blocks_int4(packed, scale)))
+                quantized += 1
+            elif p.requires_grad:
+                p.copy_(torch.from_numpy(start.parameters[name].data))
+    assert quantized == 16  # embedding, 7 linear layers x 2, lm_head
+    optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
+    ref_losses = []
+    for x, y in _batches():
+        optimizer.zero_grad()
+        loss = reference(torch.from_numpy(x), torch.from_numpy(y))
+        loss.backward()
+        optimizer.step()
+        ref_losses.append(loss.item())
+    state, _, losses = _train(tmp_path)
+    assert_losses_close(losses, ref_losses, rtol=1e-4)
+    rel = np.abs(np.array(losses) - f32_losses) / np.array(f32_losses)
+    assert rel.max() < 0.02, rel
+    for name, p in reference.named_parameters():
+        if p.requires_grad:  # the gradient reached the adapters, as PyTorch's did
+            np.testing.assert_allclose(state.parameters[name].data, p.detach().numpy(), rtol=1e-3, atol=1e-5)
+    q_name = f"{Q_PROJ}.base_layer.weight.int4"
+    np.testing.assert_array_equal(state.parameters[q_name].data, start.parameters[q_name].data)

@@ -112,22 +112,89 @@ def test_safe_softmax_masked_rows_have_zero_gradients():
     assert_matches_eager(lambda t: torch.ops.aten._safe_softmax(t, -1) * 3, [x])
 
 
-def test_circular_pad_of_an_empty_batch_falls_back_on_its_first_run():
-    """onnxruntime's circular Pad refuses an empty batch ("Unexpected mode of 3"): the first forward raises
-    inside onnxruntime, before any output is used, so ORTModule falls back there instead of failing."""
-    fn = lambda t: F.pad(t, (1, 2), mode="circular") * 2  # noqa: E731
+def test_unfold_of_an_empty_batch_falls_back_on_its_first_run():
+    """onnxruntime's Reshape in the exporter's im2col refuses an empty batch: the first forward raises inside
+    onnxruntime, before any output is used, so ORTModule falls back there instead of failing."""
+    fn = lambda t: F.unfold(t, 2, 1, 0, 1) * 2  # noqa: E731
     model = ORTModule(Fn(fn), DebugOptions(fallback=True))
-    x = torch.randn(0, 3, 3)
+    x = torch.randn(0, 1, 5, 5)
     xa, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = model(xa)
-    assert model.fallback_reason is not None and "Pad" in model.fallback_reason
+    assert model.fallback_reason is not None and "Reshape" in model.fallback_reason
     expected = fn(xe)
     torch.testing.assert_close(out, expected)
     out.sum().backward()
     expected.sum().backward()
     torch.testing.assert_close(xa.grad, xe.grad)
+
+
+@pytest.mark.parametrize("mode,pads", [
+    *[("replicate", p) for p in [(-4, 5, 0, 0), (-2, -1, 4, 6), (8, -1, -1, -3), (2, 3, 1, 0)]],
+    *[(m, p) for m in ("circular", "reflect") for p in [(-2, -1, 3, 2), (2, -3, -1, 1), (2, 3, 1, 0)]],
+])
+def test_pad_with_negative_pads(mode, pads):
+    """Negative pads crop; onnxruntime's edge Pad failed where the crop left nothing, its wrap Pad is not
+    implemented, and the Pad gradient's border folding raised in backward (capture/padding.py, the Pad rule)."""
+    x = torch.randn(2, 3, 5, 5)
+    assert_matches_eager(lambda t: F.pad(t, pads, mode=mode) * 2, [x])
+
+
+def test_circular_pad_of_an_empty_batch_runs_in_onnxruntime():
+    assert_matches_eager(lambda t: F.pad(t, (1, 2), mode="circular"), [torch.randn(0, 3, 3)])
+
+
+def test_replicate_pad_3d_unbatched():
+    assert_matches_eager(lambda t: F.pad(t, (1, -1, 2, 0, -1, 3), mode="replicate"), [torch.randn(2, 4, 5, 3)])
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 7, 5), (3, 7, 5), (4, 4, 4)])
+@pytest.mark.parametrize("size", [(2, 3), (3, 3), (7, 1), (4, 2)])
+def test_adaptive_max_pool2d(shape, size):
+    """Unbatched inputs came out with another shape (the TorchScript exporter's 1-D reading)."""
+    x = torch.randn(shape)
+    assert_matches_eager(lambda t: F.adaptive_max_pool2d(t, size) * 2, [x])
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 7, 5), (3, 7, 5)])
+def test_adaptive_max_pool2d_indices(shape):
+    x = torch.randn(shape)
+    model = ORTModule(Fn(lambda t: F.adaptive_max_pool2d(t, (3, 2), return_indices=True)),
+                      DebugOptions(fallback=False))
+    values, indices = model(x.clone().requires_grad_())
+    expected_values, expected_indices = F.adaptive_max_pool2d(x, (3, 2), return_indices=True)
+    torch.testing.assert_close(values, expected_values)
+    torch.testing.assert_close(indices, expected_indices)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 7), (3, 10)])
+def test_adaptive_max_pool1d(shape):
+    assert_matches_eager(lambda t: F.adaptive_max_pool1d(t, 4) * 2, [torch.randn(shape)])
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 5, 7, 6), (2, 5, 7, 6)])
+def test_adaptive_avg_pool3d(shape):
+    assert_matches_eager(lambda t: F.adaptive_avg_pool3d(t, (2, 3, 4)) * 2, [torch.randn(shape)])
+
+
+def test_adaptive_pool_gradient_matches_finite_differences():
+    """Against a reference other than eager: central differences of the ORTModule's own forward (float32)."""
+    # distinct values 0.1 apart: no window's maximum changes within a step of eps
+    x = torch.randperm(20, generator=torch.Generator().manual_seed(0)).float().view(1, 1, 4, 5) * 0.1
+    model = ORTModule(Fn(lambda t: F.adaptive_avg_pool2d(F.adaptive_max_pool2d(t, (3, 3)) ** 2, 2).sum()),
+                      DebugOptions(fallback=False))
+    xa = x.clone().requires_grad_()
+    model(xa).backward()
+    eps = 1e-2
+    numeric = torch.zeros_like(x)
+    for i in range(x.numel()):
+        d = torch.zeros(x.numel())
+        d[i] = eps
+        d = d.view_as(x)
+        with torch.no_grad():
+            numeric.view(-1)[i] = (model(x + d) - model(x - d)) / (2 * eps)
+    torch.testing.assert_close(xa.grad, numeric, atol=2e-3, rtol=1e-2)
 
 
 @pytest.mark.parametrize("include_self", [True, False])
@@ -167,3 +234,48 @@ def test_special_functions_the_exporter_gets_wrong_fall_back_with_their_reason(n
     out.sum().backward()
     expected.sum().backward()
     torch.testing.assert_close(xa.grad, xe.grad)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_with_the_weight_as_an_input(n, groups):
+    """A weight passed to forward has dynamic leading axes (in export): the gradient reads its channels per
+    group at run time instead of refusing (it needed them static)."""
+    conv = (F.conv1d, F.conv2d, F.conv3d)[n - 1]
+    x, w, bias = torch.randn(2, 4, *[6] * n), torch.randn(6, 4 // groups, *[3] * n), torch.randn(6)
+    assert_matches_eager(lambda t, k, c: conv(t, k, c, 2, 1, 1, groups), [x, w, bias])
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_transpose_with_the_weight_as_an_input(groups):
+    x, w = torch.randn(2, 4, 5, 6), torch.randn(4, 6 // groups, 3, 2)
+    assert_matches_eager(lambda t, k: F.conv_transpose2d(t, k, None, 2, 1, 1, groups), [x, w])
+
+
+def _with_nans_and_ties(shape, seed):
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    t.view(-1)[::5] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize("fn", [torch.fmax, torch.fmin])
+def test_fmax_fmin_nan_and_ties(fn):
+    """A NaN loses to a number (two NaNs give NaN); a tie's gradient goes to the first input, as in PyTorch."""
+    a, b = _with_nans_and_ties((4, 5), 0), _with_nans_and_ties((5,), 1)
+    a[1] = b  # ties
+    b[2] = float("nan")
+    assert_matches_eager(lambda x, y: fn(x, y) * 2, [a, b])
+
+
+def test_copysign_negative_zero_and_broadcast():
+    a = torch.randn(4, 5)
+    a[0, 0] = 0.0
+    b = torch.tensor([1.0, -2.0, 0.0, -0.0, 3.0])
+    assert_matches_eager(lambda x, y: torch.copysign(x, y) * 2, [a, b])
+
+
+def test_hypot_large_values_and_zeros():
+    """sqrt(a^2 + b^2) overflows from about 1.8e19; PyTorch's hypot does not."""
+    a = torch.tensor([[3e20, -1e-3, 0.0, 5.0], [1.0, 2.0, -3.0, 4e25]])
+    b = torch.tensor([4e20, 2.0, 1.5, -12.0])
+    assert_matches_eager(lambda x, y: torch.hypot(x, y), [a, b], atol=1e-5, rtol=1e-5)

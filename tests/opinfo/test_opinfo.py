@@ -17,14 +17,12 @@ from tests.opinfo import harness
 # (op, way) -> what in the fallback reason shows the fallback is the expected one.
 # Each is a gap to close (issue 15): remove the entry when the op runs in onnxruntime.
 _BOTH = {
-    "amax": "Input rank was 0",  # ReduceMax over axis 0 of a 0-d tensor
     "squeeze": "OutputShapeError",  # squeeze() of a size-1 axis exported as dynamic
     "index_select": "OutputShapeError",  # a 0-d input
     "nn.functional.cross_entropy": "NegativeLogLikelihoodLoss",  # class-probability targets
 }
 EXPECTED_FALLBACK: dict[tuple[str, str], str] = {
     **{(op, mode): why for op, why in _BOTH.items() for mode in harness.MODES},
-    ("nn.functional.conv2d", "inputs"): "static size of the weight's input channels",  # weight as an input
 }
 
 

@@ -119,9 +119,43 @@ def test_cheap_kinds_go_first_and_matmuls_only_when_allowed():
     assert on and max(order.index(c.kind) for c in on) <= min((order.index(c.kind) for c in off), default=2)
     no_matmul, _ = _recompute_and_split(Recompute(budget=0.0, kinds=("pointwise", "transcendental")), inputs, dy)
     assert not any(c.on and c.kind == "matmul" for c in no_matmul.candidates)
-    assert Recompute(budget=0.0) == Recompute(budget=0.0, kinds=("pointwise", "transcendental"))
+    assert Recompute(budget=0.0) == Recompute(budget=0.0, kinds=KINDS)  # matrix products last, but tried
     everything, split = _recompute_and_split(Recompute(budget=0.0, kinds=KINDS), inputs, dy)
     assert everything.saved_bytes >= no_matmul.saved_bytes
+
+
+def test_budget_zero_checkpoints_grow_subgraphs_back_to_kept_values_and_clones_sit_late():
+    """At budget 0 a recomputed value's subgraph reaches back through the values recomputed before it (a
+    chain with a MatMul and the GELU after it), and each clone reads only values that stay stashed, leaves
+    and clones; each clone sits just before the first gradient node that needs it, not at the front of
+    backward (where every recomputed value would be alive at once)."""
+    inputs, dy = _feeds()
+    plan, _ = _recompute_and_split(Recompute(budget=0.0, kinds=KINDS), inputs, dy)
+    on = [c for c in plan.candidates if c.on]
+    assert any(c.kind == "matmul" and len(c.nodes) > 2 for c in on), [c.pattern for c in on]
+    dropped = {v for c in on for v in c.outputs}
+    for c in on:
+        inside = {v for n in c.nodes for v in n.outputs}
+        assert not any(v in dropped and v not in inside for n in c.nodes for v in n.inputs), c.pattern
+
+    model = ir.from_proto(_training())
+    RecomputePass(num_forward_outputs=1, plan=Recompute(budget=0.0, kinds=KINDS), dims={"batch": BATCH})(model)
+    nodes = list(model.graph)
+    is_clone = [(n.name or "").rsplit("/", 1)[-1].startswith("recomputed") for n in nodes]
+    assert any(is_clone)
+    for k, node in enumerate(nodes):
+        if not is_clone[k]:
+            continue
+        readers = {r for v in node.outputs for r, _ in v.uses()}
+        nxt = next(j for j in range(k + 1, len(nodes)) if not is_clone[j])
+        # the first non-clone node after it reads it, or reads a clone that (in turn) reads it
+        frontier, reached = set(readers), set()
+        while frontier:
+            r = frontier.pop()
+            reached.add(r)
+            if is_clone[nodes.index(r)]:
+                frontier |= {u for v in r.outputs for u, _ in v.uses()} - reached
+        assert nodes[nxt] in reached, (node.name, nodes[nxt].op_type)
 
 
 def test_default_plan_redoes_single_cheap_ops_only():

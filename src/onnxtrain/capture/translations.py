@@ -10,10 +10,20 @@
 - ``aten.scaled_dot_product_attention``: a training translation (attention dropout applied, fully
   masked rows zero as in PyTorch, no NaN guard; :mod:`.attention`).
 - ``aten.avg_pool2d`` / ``aten.avg_pool3d``: ``divisor_override`` applied (:mod:`.pooling`).
+- ``aten.pad`` with ``mode="replicate"`` / ``"circular"``: a ``Gather`` of clamped / wrapped positions, negative
+  pads included (:mod:`.padding`).
+- ``aten.adaptive_max_pool2d`` (and 1d through it), ``aten._adaptive_avg_pool3d``: window by window, unbatched
+  inputs included (:mod:`.adaptive_pool`).
+- ``aten.fmax``, ``aten.fmin``, ``aten.copysign``, ``aten.hypot``: ``Where`` over PyTorch's comparisons (the
+  exporter lowers them to prims it cannot translate; :mod:`.elementwise`).
 - ``aten._safe_softmax``: no NaN gradient from rows of only ``-inf`` (:mod:`.softmax`).
 - ``aten.scatter_reduce.two`` with ``reduce="mean"``: the mean, not a plain scatter (:mod:`.scatter_reduce`).
 - ``aten.atleast_1d/2d/3d.Sequence`` (``hstack``, ``vstack``, ``dstack``, ``column_stack``): one reshape per
   tensor, not an ONNX sequence that no gradient rule differentiates (:mod:`.sequences`).
+- ``aten.divide.Tensor`` / ``aten.true_divide.Tensor`` of a float and an integer tensor: the integer one cast
+  (torch.onnx's type promotion skips these aliases; :mod:`.divide`).
+- ``aten.amax`` / ``aten.amin`` of a 0-d tensor: the tensor (onnxruntime refuses ``ReduceMax`` over axis 0
+  of a rank-0 input; :mod:`.amax`).
 - ``aten.special_log_ndtr``, ``aten.special_erfcx``: refused, so the module runs in PyTorch (:mod:`.refuse`).
 - ``onnxtrain.stop_gradient`` (``detach()``, ``no_grad`` blocks): ``StopGradient`` in the ``onnxtrain``
   domain (:mod:`.stop_gradient`).
@@ -24,8 +34,13 @@ from __future__ import annotations
 import torch
 from onnxscript import opset18 as op
 
+from onnxtrain.capture.adaptive_pool import adaptive_avg_pool3d, adaptive_max_pool2d
+from onnxtrain.capture.amax import amax, amin
 from onnxtrain.capture.attention import scaled_dot_product_attention
 from onnxtrain.capture.batchnorm import batch_norm_functional, native_batch_norm
+from onnxtrain.capture.divide import divide
+from onnxtrain.capture.elementwise import copysign, fmax, fmin, hypot
+from onnxtrain.capture.padding import pad
 from onnxtrain.capture.pooling import avg_pool2d, avg_pool3d
 from onnxtrain.capture.refuse import special_erfcx, special_log_ndtr
 from onnxtrain.capture.scatter_reduce import scatter_reduce
@@ -94,9 +109,20 @@ TRANSLATIONS = {
     torch.ops.aten.avg_pool2d.default: avg_pool2d,
     torch.ops.aten.avg_pool3d.default: avg_pool3d,
     torch.ops.aten.scatter_reduce.two: scatter_reduce,
+    torch.ops.aten.pad.default: pad,
+    torch.ops.aten.fmax.default: fmax,
+    torch.ops.aten.fmin.default: fmin,
+    torch.ops.aten.copysign.Tensor: copysign,
+    torch.ops.aten.hypot.default: hypot,
+    torch.ops.aten.adaptive_max_pool2d.default: adaptive_max_pool2d,
+    torch.ops.aten._adaptive_avg_pool3d.default: adaptive_avg_pool3d,
     torch.ops.aten.atleast_1d.Sequence: atleast_1d_sequence,
     torch.ops.aten.atleast_2d.Sequence: atleast_2d_sequence,
     torch.ops.aten.atleast_3d.Sequence: atleast_3d_sequence,
+    torch.ops.aten.amax.default: amax,
+    torch.ops.aten.amin.default: amin,
+    torch.ops.aten.divide.Tensor: divide,
+    torch.ops.aten.true_divide.Tensor: divide,
     torch.ops.aten.special_log_ndtr.default: special_log_ndtr,
     torch.ops.aten.special_erfcx.default: special_erfcx,
     torch.ops.onnxtrain.stop_gradient.default: translate_stop_gradient,

@@ -10,6 +10,9 @@ How it plugs into Trainer (transformers 5.x):
   other optimizer name goes to Trainer unchanged.
 - With ``use_module_with_loss``, ``compute_loss`` itself is wrapped in a module and exported, so the loss
   (label smoothing and ``compute_loss_func`` included) is computed inside the ONNX graph.
+- With ``deepspeed=`` (ZeRO stages 1-3), Trainer hands ``self.model`` to ``accelerator.prepare``, which calls
+  ``deepspeed.initialize``; ORTTrainer's accelerator hands it the ORTModule instead, so the DeepSpeed engine
+  wraps the ORTModule (``docs/distributed.md``) and ``Trainer.model`` stays the plain model.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ class ORTTrainer(Trainer):
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
         if self._runs_in_ort(model):
             return model  # a later train()/evaluate() call: already wrapped
-        if model is not self.model:
+        if model is not self.model or self.is_deepspeed_enabled:  # DeepSpeed: see create_accelerator_and_postprocess
             return super()._wrap_model(model, training, dataloader)
         unsupported = self._unsupported_wrapper()
         if unsupported is not None:
@@ -129,9 +132,15 @@ class ORTTrainer(Trainer):
         finally:
             self.label_smoother = smoother
 
-    def _unsupported_wrapper(self) -> str | None:
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
         if self.is_deepspeed_enabled:
-            return "DeepSpeed"
+            if self._arg("use_module_with_loss"):
+                raise ValueError("ORTTrainer: use_module_with_loss=True is not supported with DeepSpeed yet; set it "
+                                 "to False (the model runs in ORTModule inside DeepSpeed, the loss in PyTorch).")
+            self.accelerator.prepare = _PrepareORTModule(self, self.accelerator.prepare)
+
+    def _unsupported_wrapper(self) -> str | None:
         if self.is_fsdp_enabled or self.is_fsdp_xla_enabled:
             return "FSDP"
         if is_sagemaker_mp_enabled():
@@ -218,6 +227,18 @@ class ORTTrainer(Trainer):
         else:
             raise ValueError("ORTTrainer.export_onnx: no dataset to take example inputs from; pass inputs=.")
         return dict(next(iter(loader)))
+
+
+class _PrepareORTModule:
+    """``accelerator.prepare`` that gives DeepSpeed the ORTModule around ``trainer.model``: Trainer passes
+    ``self.model`` (the plain model) to it when DeepSpeed is on, and deepspeed.initialize wraps what it gets."""
+
+    def __init__(self, trainer: ORTTrainer, prepare):
+        self.trainer, self.prepare = trainer, prepare
+
+    def __call__(self, *args, **kwargs):
+        model = self.trainer.model
+        return self.prepare(*(self.trainer._ort_module("model") if a is model else a for a in args), **kwargs)
 
 
 class _ModuleWithLoss(nn.Module):

@@ -304,8 +304,11 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Rec
         seeds = [seed]
         extra = {"format": LOSS_SCALING_FORMAT, "loss_scaling": scaler.to_json()}
     grads = add_gradient_outputs(model, wrt, [loss_value], seeds=seeds, names=info["trainable"])
-    model = pipeline.artifacts_training(num_outputs, recompute, sum_rows_by_matmul=target != "web")(model)
+    passes = pipeline.artifacts_training(num_outputs, recompute, sum_rows_by_matmul=target != "web")
+    model = passes(model)
     meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen", "input_checks")}
+    if recompute is not None and any(c.on for c in passes.step("recompute").plan.candidates):
+        meta["recomputed"] = True  # the runtime keeps onnxruntime from merging the clones back (module.py)
     model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training", **extra,
                                                               "gradients": [g.name for g in grads]})
     return ir_version_for_onnxruntime(ir.to_proto(model))

@@ -49,15 +49,21 @@ def _value_infos(graph: onnx.GraphProto) -> dict[str, onnx.ValueInfoProto]:
 
 
 def export_inference_model(eval_model_uri, parameters: dict[str, np.ndarray], graph_output_names,
-                           path: str | os.PathLike) -> None:
+                           path: str | os.PathLike, merge_adapters: bool = False) -> None:
     """Write the eval model's subgraph that computes ``graph_output_names`` to ``path``, the parameters
-    baked in as initializers (what ``Module.export_model_for_inferencing`` does)."""
+    baked in as initializers (what ``Module.export_model_for_inferencing`` does). ``merge_adapters``: fold
+    LoRA adapters into their base weights (:mod:`onnxtrain.ondevice.lora_merge`) instead of keeping them
+    as initializers of their own."""
     if isinstance(graph_output_names, str):
         graph_output_names = [graph_output_names]
     outputs = list(graph_output_names)
     if not outputs:
         raise ValueError("graph_output_names is empty: name the eval model values the inference model returns")
     model = load_model(eval_model_uri)
+    if merge_adapters:
+        from onnxtrain.ondevice.lora_merge import merge_adapters as merge
+
+        model, parameters = merge(model, parameters)
     graph = model.graph
     infos = _value_infos(graph)
     producers = _producers(graph)

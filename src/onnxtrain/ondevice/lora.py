@@ -24,15 +24,15 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-import numpy as np
 import onnx
-from onnx import helper, numpy_helper
 
 from onnxtrain.ondevice.artifacts import Artifacts, generate_artifacts
+from onnxtrain.ondevice.lora_add import add_lora_adapters
+from onnxtrain.ondevice.lora_quant import quantize_base, quantize_base_int8, quantize_rows_int8
 from onnxtrain.utils.io import load_model
 
 ADAPTER_MARKERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
-BASE_FORMATS = ("float32", "int8")
+BASE_FORMATS = ("float32", "int8", "int4")
 
 
 def split_parameters(model: onnx.ModelProto, adapter_markers: Sequence[str] = ADAPTER_MARKERS) -> tuple[list[str], list[str]]:
@@ -47,60 +47,15 @@ def split_parameters(model: onnx.ModelProto, adapter_markers: Sequence[str] = AD
     return adapters, [n for n in floats if n not in adapters]
 
 
-def quantize_rows_int8(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 per row: ``weight ~= q * scale[:, None]``, q in [-127, 127]."""
-    w = np.asarray(weight, dtype=np.float32)
-    amax = np.abs(w).max(axis=1)
-    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
-    return q, scale
-
-
-def quantize_base_int8(model: onnx.ModelProto, names: Sequence[str]) -> tuple[onnx.ModelProto, list[str]]:
-    """Replace each named float32 matrix initializer ``W`` by ``DequantizeLinear(W.int8, W.scale, axis=0)``.
-
-    Returns the model and the names of the new initializers (``<W>.int8``, ``<W>.scale``) in place of the
-    quantized ones; initializers that are not float32 matrices are left as they are and keep their names.
-    """
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    graph = model.graph
-    by_name = {t.name: t for t in graph.initializer}
-    taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
-    nodes, kept, out_names = [], [], []
-    for t in list(graph.initializer):
-        if t.name not in names:
-            kept.append(t)
-            continue
-        if t.data_type != onnx.TensorProto.FLOAT or len(t.dims) != 2:
-            kept.append(t)
-            out_names.append(t.name)
-            continue
-        q, scale = quantize_rows_int8(numpy_helper.to_array(t))
-        qname, sname = f"{t.name}.int8", f"{t.name}.scale"
-        clash = [n for n in (qname, sname) if n in taken]
-        if clash:
-            raise ValueError(f"cannot quantize {t.name!r}: the model already has values named {clash}")
-        kept += [numpy_helper.from_array(q, qname), numpy_helper.from_array(scale, sname)]
-        nodes.append(helper.make_node("DequantizeLinear", [qname, sname], [t.name], axis=0,
-                                      name=f"dequantize/{t.name}"))
-        out_names += [qname, sname]
-        del by_name[t.name]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    old = list(graph.node)
-    del graph.node[:]
-    graph.node.extend(nodes + old)  # the dequantized values are ready before any reader
-    opset = next((o for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
-    if opset is not None and opset.version < 13:
-        raise ValueError(f"int8 base weights need opset >= 13 (DequantizeLinear with axis); the model has {opset.version}")
-    return model, out_names
-
-
 def generate_lora_artifacts(model: onnx.ModelProto | str | os.PathLike, base: str = "float32",
-                            adapter_markers: Sequence[str] = ADAPTER_MARKERS, **kwargs) -> Artifacts:
+                            adapter_markers: Sequence[str] = ADAPTER_MARKERS, target_modules: Sequence[str] | None = None,
+                            r: int = 8, alpha: float = 16, seed: int = 0, **kwargs) -> Artifacts:
     """:func:`generate_artifacts` training the LoRA adapters only; the base frozen, stored once, as
-    ``base`` ("float32", or "int8": per-row int8 matrices). Other arguments go to generate_artifacts
-    (``loss``, ``optimizer``, ``artifact_directory``, ...)."""
+    ``base`` ("float32"; "int8": per-row int8 matrices; "int4": int4 blocks of 32 along each row, two
+    values a byte, read by standard ONNX ops: :mod:`onnxtrain.ondevice.lora_quant`). ``target_modules`` (a model without adapters):
+    onnxtrain adds rank-``r`` adapters scaled by ``alpha / r`` to these linear layers itself
+    (:func:`onnxtrain.ondevice.lora_add.add_lora_adapters`, A drawn with ``seed``, B zero). Other arguments
+    go to generate_artifacts (``loss``, ``optimizer``, ``artifact_directory``, ...)."""
     if base not in BASE_FORMATS:
         raise ValueError(f"base must be one of {BASE_FORMATS}, got {base!r}")
     for key in ("requires_grad", "frozen_params"):
@@ -108,9 +63,11 @@ def generate_lora_artifacts(model: onnx.ModelProto | str | os.PathLike, base: st
             raise TypeError(f"generate_lora_artifacts chooses {key} itself (adapters train, the base is frozen); "
                             "call generate_artifacts to choose them")
     proto = load_model(model)
+    if target_modules is not None:
+        proto = add_lora_adapters(proto, target_modules, r=r, alpha=alpha, seed=seed)
     adapters, frozen = split_parameters(proto, adapter_markers)
-    if base == "int8":
-        proto, frozen = quantize_base_int8(proto, frozen)
+    if base != "float32":
+        proto, frozen = quantize_base(proto, frozen, bits=8 if base == "int8" else 4)
     return generate_artifacts(proto, requires_grad=adapters, frozen_params=frozen, **kwargs)
 
 

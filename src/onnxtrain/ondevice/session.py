@@ -20,7 +20,7 @@ ORT_TYPES = {
 
 
 def create_session(uri, session_options: ort.SessionOptions, device: str, what: str, backend: str = "onnxruntime",
-                   precision: str = "fp32") -> ort.InferenceSession:
+                   precision: str = "fp32", disabled_optimizers=()) -> ort.InferenceSession:
     """The one place the runtime creates a session (``what``: "training model", ...): onnxruntime's, or one
     with its interface on another backend (:mod:`onnxtrain.runtime.backends`; ``backend`` and ``precision``
     as :func:`~onnxtrain.runtime.backends.resolve` gives them)."""
@@ -29,7 +29,7 @@ def create_session(uri, session_options: ort.SessionOptions, device: str, what: 
         raise FileNotFoundError(f"{what} not found: {path} (generate_artifacts writes it)")
     providers = _providers(device)
     try:
-        return backends.create_session(path, backend, precision, session_options, providers)
+        return backends.create_session(path, backend, precision, session_options, providers, disabled_optimizers)
     except Exception as exc:
         raise ValueError(f"{backend} cannot load the {what} {path}: {exc}") from exc
 

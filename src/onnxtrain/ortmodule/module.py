@@ -12,8 +12,11 @@ dynamic and never cause a new export.
 
 Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` the float32 graphs run on OpenVINO with its bfloat16
 precision hint (onnxtrain.runtime.backends; without the ``openvino`` package or a CPU with bfloat16, a
-warning once and float32). Outputs are float32 where eager autocast's would be bfloat16. Other autocast
-states (float16 on CPU, any on CUDA) are not supported yet: a warning once, and the graphs run float32.
+warning once and float32). Outputs are float32 where eager autocast's would be bfloat16. Under
+``torch.autocast("cpu", dtype=torch.float16)`` the graphs' matmul-class products run in float16
+(onnxtrain.passes.precision) on onnxruntime; with ``torch.amp.GradScaler`` the scaled loss's gradient flows
+in and inf/NaN gradients reach the scaler. CUDA autocast is not supported yet: a warning once, and the graphs
+run float32.
 ``backend=`` (or the ``ONNXTRAIN_BACKEND`` env var) picks the engine: "onnxruntime" (default) or "openvino".
 """
 
@@ -27,6 +30,7 @@ import torch
 
 from onnxtrain.capture import capture, flatten, leaf_paths, unflatten
 from onnxtrain.capture.quiet import summary
+from onnxtrain.ortmodule import distributed
 from onnxtrain.ortmodule.function import ORTFunction, reseed
 from onnxtrain.ortmodule.graphs import Saver, SchemaGraphs, build_training, prepare
 from onnxtrain.ortmodule.options import FALLBACK_ENV, DebugOptions
@@ -37,7 +41,8 @@ from onnxtrain.utils.gc import young_objects_only
 logger = logging.getLogger("onnxtrain.ortmodule")
 
 # Attributes that live on the ORTModule itself; everything else is looked up on the wrapped module.
-_OWN = ("_cache", "_debug", "_fallback_reason", "_export_count", "_schema_ids", "_backend", "_verified")
+_OWN = ("_cache", "_debug", "_fallback_reason", "_export_count", "_schema_ids", "_backend", "_verified",
+        "_deferred_hooks")
 _warned_autocast: set[tuple] = set()
 
 
@@ -60,6 +65,8 @@ class ORTModule(torch.nn.Module):
         self._verified: set[int] = set()  # ids of the graphs (inference or training) verify has checked
         backends.resolve(backend, None)  # an unknown or missing backend is an error now, not at the first call
         self._backend = backend
+        self._z3_leaf = True  # DeepSpeed ZeRO-3 gathers every parameter for the one graph (ortmodule/distributed.py)
+        self._deferred_hooks: OrderedDict = OrderedDict()  # full backward hooks run when backward ends (ZeRO-3)
         logger.setLevel(self._debug.log_level.python_level)
 
     # -- what users see -------------------------------------------------------------------
@@ -81,6 +88,12 @@ class ORTModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if self._fallback_reason is not None:
             return self.module(*args, **kwargs)
+        partial = distributed.partitioned(self._state_lookup())
+        if partial:
+            raise RuntimeError(f"ORTModule: {len(partial)} DeepSpeed ZeRO-3 parameters (e.g. {partial[0]!r}) hold "
+                               "only this rank's partition; the graph reads them whole. Pass the ORTModule itself "
+                               "to deepspeed.initialize (it gathers them), or call it inside "
+                               "deepspeed.zero.GatheredParameters.")
         tensors, spec = flatten((args, kwargs))
         try:
             graphs = self._graphs_for(args, kwargs, tensors, spec)
@@ -106,6 +119,7 @@ class ORTModule(torch.nn.Module):
                 self._fall_back(exc)
                 return self.module(*args, **kwargs)
             training.forward.runs += 1
+            outputs = distributed.after_backward(self, self._deferred_hooks, list(outputs))
         user = outputs[: graphs.num_outputs]
         self._update_buffers(graphs, outputs[graphs.num_outputs:])
         return unflatten(list(user), graphs.captured.output_spec)
@@ -134,6 +148,9 @@ class ORTModule(torch.nn.Module):
     def _export(self, key, index: int, args, kwargs, tensors) -> SchemaGraphs:
         tag = f"s{self._schema_ids.setdefault(key, len(self._schema_ids))}_{index}"
         logger.info("exporting %s for a new input schema (%s)", type(self.module).__name__, tag)
+        unsupported = distributed.unsupported(self.module)
+        if unsupported is not None:
+            raise NotImplementedError(unsupported)
         device = _device_of(self.module, tensors)
         backend, precision = _backend_for(self._backend, device)
         # The float32 graph is captured: the precision is the backend's business.
@@ -243,6 +260,11 @@ class ORTModule(torch.nn.Module):
             UserWarning, stacklevel=3,
         )
 
+    def register_full_backward_hook(self, hook, prepend: bool = False):
+        if any(distributed.is_zero3(p) for p in self.module.parameters()):
+            return distributed.register_deferred(self._deferred_hooks, hook)  # why: ortmodule/distributed.py
+        return super().register_full_backward_hook(hook, prepend=prepend)
+
     # -- the wrapped module's view --------------------------------------------------------
     def __getattr__(self, name: str):
         try:
@@ -327,10 +349,12 @@ def _backend_for(backend: str | None, device: torch.device) -> tuple[str, str]:
     dtype = torch.get_autocast_dtype(kind)
     if kind == "cpu" and dtype == torch.bfloat16:
         return backends.resolve(backend, "bf16", kind)
+    if kind == "cpu" and dtype == torch.float16:  # the precision pass, in the graphs (ortmodule.graphs)
+        return backends.resolve(backend, "fp32", kind)[0], "fp16"
     if (kind, dtype) not in _warned_autocast:
         _warned_autocast.add((kind, dtype))
         warnings.warn(f"ORTModule does not run torch.autocast({kind!r}, dtype={dtype}) yet: its graphs run in "
-                      "float32 (autocast bfloat16 on CPU is supported)", RuntimeWarning, stacklevel=4)
+                      "float32 (autocast bfloat16 and float16 on CPU are supported)", RuntimeWarning, stacklevel=4)
     return backends.resolve(backend, "fp32", kind)
 
 

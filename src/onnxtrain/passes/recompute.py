@@ -9,8 +9,9 @@ value is no longer stashed (only the clone's inputs are, which usually are stash
 Candidates are the forward nodes with a stashed output (random ops never: a clone would draw again).
 Each candidate's subgraph is the node plus the forward nodes that make those of its inputs which are
 neither stashed nor at hand in backward (graph inputs, initializers, constants), up to
-``MAX_SUBGRAPH_NODES`` nodes; every node in it must be of a kind below. Its saving is the size of its
-stashed outputs (dims resolved with the actual input sizes: ``dims``); its cost is the work of the
+``MAX_SUBGRAPH_NODES`` nodes (once a value is recomputed, the subgraphs reading it grow back through it:
+the values that stay stashed are checkpoints, see ``_take``); every node in it must be of a kind below.
+Its saving is the size of its stashed outputs (dims resolved with the actual input sizes: ``dims``); its cost is the work of the
 subgraph, per element for pointwise ops, ``2*M*N*K`` for a matrix product. Candidates are ranked by kind
 (cheap pointwise and layout ops, then transcendental and normalising ops, then matrix products), then by
 cost per byte saved; a budget takes them in that order until the stash fits it, so a smaller budget
@@ -23,7 +24,7 @@ Plans (:class:`Recompute`):
   ``0.5 * x`` and ``1 + t`` in GPT-2's GELU). What the split did before this pass.
 - ``Recompute(budget=0.5)``: keep at most half the bytes stashed without recompute; ``budget=0`` as little
   as the kinds allowed can make it; ``budget=2**30``: at most 1 GiB. ``kinds`` names the kinds tried:
-  by default pointwise and transcendental; ``kinds=KINDS`` adds matrix products.
+  by default all (``KINDS``); ``kinds=("pointwise", "transcendental")`` leaves matrix products out.
 - ``Recompute(patterns={"Add+Gelu+": -1})``: the subgraphs of these patterns (op types joined by ``+``, as
   ONNX Runtime Training's ``ORTMODULE_MEMORY_OPT_CONFIG`` named them), all of them or the first ``n``.
 
@@ -59,10 +60,12 @@ logger = logging.getLogger("onnxtrain.passes")
 
 LEVEL_ENV = "ORTMODULE_MEMORY_OPT_LEVEL"
 CONFIG_ENV = "ORTMODULE_MEMORY_OPT_CONFIG"
-MAX_SUBGRAPH_NODES = 8
+# Up to a transformer layer's attention block (projections, masks, softmax) from the values stashed anyway.
+MAX_SUBGRAPH_NODES = 32
 
 # Kinds, cheapest first. Cost per output element of each op in the first two; matrix products by flops.
-LAYOUT = frozenset({"Transpose", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast", "Identity", "Constant"})
+LAYOUT = frozenset({"Transpose", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast", "Identity", "Constant",
+                    "Shape", "Size", "ConstantOfShape", "Range"})
 POINTWISE = LAYOUT | frozenset({
     "IsNaN", "IsInf", "Not", "And", "Or", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
     "Where", "Neg", "Expand", "Add", "Sub", "Mul", "Div", "Relu", "Abs", "Max", "Min", "Clip",
@@ -70,12 +73,13 @@ POINTWISE = LAYOUT | frozenset({
 TRANSCENDENTAL = frozenset({
     "Gelu", "Tanh", "Erf", "Exp", "Log", "Sigmoid", "Sqrt", "Reciprocal", "Pow", "Softmax", "LogSoftmax",
     "ReduceMean", "ReduceSum", "ReduceMax", "LayerNormalization", "Slice", "Concat", "Split", "Gather",
+    "GatherElements", "GatherND", "Pad", "Trilu",
 })
 MATMUL = frozenset({"MatMul", "Gemm"})
 KINDS = ("pointwise", "transcendental", "matmul")
-# Matrix products only on request: on BERT-small at 4x batch, the plans that recomputed them raised the
-# peak RSS (1075 MB at budget 0.5 -> 1127 MB at 0.25 and 0.0) and the step time (BENCHMARKS.md).
-DEFAULT_KINDS = ("pointwise", "transcendental")
+# Matrix products are tried too, last. (They once raised the peak: clones then ran at the front of
+# backward; now each runs just before its first reader, see _Clones.place.)
+DEFAULT_KINDS = KINDS
 _OPS = {"pointwise": POINTWISE, "transcendental": TRANSCENDENTAL, "matmul": MATMUL}
 _ELEMENT_COST = {"pointwise": 1.0, "transcendental": 4.0}
 SHAPE_OPS = frozenset({"Shape", "Size"})  # the split moves these into forward: their readers stay
@@ -245,6 +249,7 @@ class Candidate:
     kind: str
     saved: int  # bytes of its stashed outputs; 0 where unknown
     cost: float
+    outputs: list[ir.Value] = field(default_factory=list)  # its stashed outputs
     on: bool = False
 
     @property
@@ -305,10 +310,11 @@ class RecomputePass(ir.passes.InPlacePass):
         candidates = _candidates(stashed, forward, leaves | set(clones.of), set(fwd_outputs), order, self.dims,
                                  self.options.kinds)
         plan = Plan(candidates, sum(_size(v, self.dims) for v in stashed if v not in fwd_outputs))
-        _choose(plan, self.options)
+        _choose(plan, self.options, stashed, leaves | set(clones.of), order, self.dims)
         for c in sorted((c for c in candidates if c.on), key=lambda c: order[c.node]):
             clones.recompute(c.nodes)
             modified = True
+        clones.place()
         self.plan = plan
         if candidates:
             logger.info("%s", plan.table())
@@ -390,7 +396,7 @@ def _candidates(stashed: list[ir.Value], forward: set[ir.Node], leaves: set[ir.V
             continue
         nodes.sort(key=order.get)
         cost = sum(_node_cost(n, _kind(n), dims) for n in nodes)
-        found.append(Candidate(node, nodes, kind, sum(_size(v, dims) for v in outs), cost))
+        found.append(Candidate(node, nodes, kind, sum(_size(v, dims) for v in outs), cost, outs))
     return found
 
 
@@ -415,7 +421,8 @@ def _subgraph(node: ir.Node, stash: set[ir.Value], leaves: set[ir.Value]) -> lis
     return nodes
 
 
-def _choose(plan: Plan, options: Recompute) -> None:
+def _choose(plan: Plan, options: Recompute, stashed: list[ir.Value], leaves: set[ir.Value],
+            order: dict[ir.Node, int], dims: Mapping[str, int]) -> None:
     """Turn candidates on: the patterns asked for, then the default plan or a budget's prefix."""
     counts = dict(options.patterns)
     for c in plan.candidates:
@@ -432,13 +439,51 @@ def _choose(plan: Plan, options: Recompute) -> None:
         else options.budget * plan.stashed_bytes
     ranked = sorted((c for c in plan.candidates if c.saved > 0),
                     key=lambda c: (KINDS.index(c.kind), c.cost / c.saved, c.pattern))
-    stash = plan.stashed_bytes - plan.saved_bytes
+    _take(plan, ranked, target, stashed, leaves, order, dims, set(options.kinds))
+
+
+def _take(plan: Plan, ranked: list[Candidate], target: float, stashed: list[ir.Value], leaves: set[ir.Value],
+          order: dict[ir.Node, int], dims: Mapping[str, int], allowed: set[str]) -> None:
+    """Turn on ``ranked``'s candidates in order until the stash fits ``target`` bytes. Each subgraph reaches
+    back through the values recomputed before it, up to values that stay stashed (so recomputing the
+    input of a recomputed value grows that value's subgraph: checkpointing, with the values that stay
+    stashed as the checkpoints). A candidate is refused where it would make its own subgraph, or one
+    already on, longer than ``MAX_SUBGRAPH_NODES`` nodes or of a kind not allowed: that bounds every
+    recomputation to about a layer, instead of redoing the whole forward at the start of backward."""
+    stash = set(stashed)
+    on = [c for c in plan.candidates if c.on]
+    for c in on:
+        stash.difference_update(c.outputs)
+    left = plan.stashed_bytes - plan.saved_bytes
     for c in ranked:
-        if stash <= target:
+        if left <= target:
             break
-        if not c.on:
-            c.on = True
-            stash -= c.saved
+        if c.on:
+            continue
+        trial = stash - set(c.outputs)
+        grown = [_allowed_subgraph(d.node, trial, leaves, allowed) for d in (*on, c)]
+        if any(g is None for g in grown):
+            continue
+        for d, (nodes, kind) in zip((*on, c), grown):
+            nodes.sort(key=order.get)
+            d.nodes, d.kind = nodes, kind
+            d.cost = sum(_node_cost(n, _kind(n), dims) for n in nodes)
+        c.on = True
+        on.append(c)
+        stash = trial
+        left -= c.saved
+
+
+def _allowed_subgraph(node: ir.Node, stash: set[ir.Value], leaves: set[ir.Value],
+                      allowed: set[str]) -> tuple[list[ir.Node], str] | None:
+    nodes = _subgraph(node, stash, leaves)
+    kinds = None if nodes is None else [_kind(n) for n in nodes]
+    if kinds is None or None in kinds:
+        return None
+    kind = max(kinds, key=KINDS.index)
+    if kind not in allowed and not (kind == "pointwise" and len(nodes) == 1):
+        return None
+    return nodes, kind
 
 
 class _Clones:
@@ -487,6 +532,34 @@ class _Clones:
             for old, new in zip(node.outputs, copy.outputs):
                 for reader, i in _backward_readers(old, self.forward):
                     reader.replace_input_with(i, new)
+
+
+    def place(self) -> None:
+        """Move each clone to just before the first gradient node that reads it (or reads a clone made
+        from it). Made at the front of backward, every recomputed value would be alive from the start of
+        backward on, beside the gradients (and the staged backward would run them in its first stage):
+        the peak rose instead of falling when matrix products were recomputed so."""
+        clones = [v.producer() for v in dict.fromkeys(self.of.values())]
+        clones = list(dict.fromkeys(clones))  # in the order made: each after the clones it reads
+        if not clones:
+            return
+        is_clone = set(clones)
+        anchor: dict[ir.Node, ir.Node | None] = {}
+        position = {node: k for k, node in enumerate(self.graph)}
+        for clone in reversed(clones):  # readers first: a clone's clone readers were made after it
+            first = None
+            for out in clone.outputs:
+                for reader, _ in out.uses():
+                    where = anchor.get(reader) if reader in is_clone else reader
+                    if where is not None and (first is None or position[where] < position[first]):
+                        first = where
+            anchor[clone] = first
+        for clone in clones:
+            if anchor[clone] is not None:
+                self.graph.remove(clone)
+        for clone in clones:
+            if anchor[clone] is not None:
+                self.graph.insert_before(anchor[clone], clone)
 
 
 def _clone_name(node: ir.Node, k: int) -> str:

@@ -11,12 +11,17 @@ the forward graph freed could not serve the backward graph (or the optimizer gra
 And a memory pattern (one block per run for all intermediate values, recorded on the first run and
 allocated from the second on) leaves the first run's chunks idle beside it. Measured here: GPT-2-small
 under ORTModule, steady RSS 2.09 -> 1.48 GB; on-device BERT-small, peak RSS 509 -> 393 MB; neither slower.
+
+``ONNXTRAIN_CPU_ARENA=0`` turns the arena off: onnxruntime then allocates each buffer from the C heap, as
+torch does on the CPU, and memory a step frees can go back to the system (with glibc, for buffers above its
+mmap threshold). ``benchmarks/memory_bench.py`` measures activation memory so (docs/memory.md).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import onnxruntime as ort
 
@@ -41,9 +46,19 @@ def shared_cpu_arena() -> bool:
         return False
 
 
+ARENA_ENV = "ONNXTRAIN_CPU_ARENA"
+
+
 def use_shared_arena(options: ort.SessionOptions) -> ort.SessionOptions:
-    """Make ``options`` take CPU memory from the shared arena, without memory patterns."""
+    """Make ``options`` take CPU memory from the shared arena, without memory patterns (no arena at all
+    where ``ONNXTRAIN_CPU_ARENA=0``)."""
     options.enable_mem_pattern = False
+    arena = os.environ.get(ARENA_ENV, "1").strip()
+    if arena not in ("0", "1"):
+        raise ValueError(f"{ARENA_ENV}={arena!r}: use 1 (one shared CPU arena, the default) or 0 (no arena)")
+    if arena == "0":
+        options.enable_cpu_mem_arena = False
+        return options
     if shared_cpu_arena():
         options.add_session_config_entry("session.use_env_allocators", "1")
     return options

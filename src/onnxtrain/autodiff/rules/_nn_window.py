@@ -134,18 +134,19 @@ def input_adjoint(g: GradContext, dy: ir.Value, w: ir.Value, x: ir.Value, pads: 
 
 
 def weight_gradient(g: GradContext, xp: ir.Value, dy: ir.Value, win: Window, group: int,
-                    in_per_group: int, n: int) -> ir.Value:
+                    in_per_group: ir.Value, n: int) -> ir.Value:
     """dW[m, c, k] = sum_{b,o} dy[b, m, o] * xp[b, group(m) * in_per_group + c, o * s + k * d] for an
-    already padded ``xp``: a convolution with batch and channels swapped and strides <-> dilations."""
+    already padded ``xp``: a convolution with batch and channels swapped and strides <-> dilations.
+    ``in_per_group`` is a 1-D int64 value of length 1."""
     b = g.b
     spatial = spatial_shape(g, xp, n)
     if group == 1:
         xt = b.Transpose(xp, perm=[1, 0, *range(2, 2 + n)])  # [C, N, S]
     else:  # [N, g*Cg, S] -> [Cg, g*N, S], group-major so that group i sees its own channels
-        split = b.Concat(b.Slice(b.Shape(xp), b.ints([0]), b.ints([1])), b.ints([group, in_per_group]),
+        split = b.Concat(b.Slice(b.Shape(xp), b.ints([0]), b.ints([1])), b.ints([group]), in_per_group,
                          spatial, axis=0)
         xt = b.Transpose(b.Reshape(xp, split), perm=[2, 1, 0, *range(3, 3 + n)])
-        xt = b.Reshape(xt, b.Concat(b.ints([in_per_group, -1]), spatial, axis=0))
+        xt = b.Reshape(xt, b.Concat(in_per_group, b.ints([-1]), spatial, axis=0))
     dyt = b.Transpose(dy, perm=[1, 0, *range(2, 2 + n)])  # [M, N, O]: a weight for group convolution
     corr = b.Conv(xt, dyt, strides=win.dilations, dilations=win.strides, group=group)  # [Cg, M, K']
     corr = b.Slice(corr, b.ints([0] * n), b.ints(win.kernel), b.ints(list(range(2, 2 + n))))

@@ -417,12 +417,13 @@ def _kernel(g: GradContext, w: ir.Value, n: int) -> list[int]:
     return list(kernel)
 
 
-def _static_dim(g: GradContext, value: ir.Value, axis: int, what: str) -> int:
-    dim = None if value.shape is None else value.shape[axis]
-    if not isinstance(dim, int):
-        raise ValueError(f"{g.node.op_type} node {g.node.name!r}: the gradient needs the static size "
-                         f"of {what} (axis {axis} of {value.name!r})")
-    return dim
+def _channels_per_group(g: GradContext, w: ir.Value) -> ir.Value:
+    """Axis 1 of a Conv or ConvTranspose weight (channels per group) as a 1-D int64 value: a constant where
+    the shape is static, else read at run time (a weight that is a graph input has dynamic leading axes)."""
+    dim = None if w.shape is None else w.shape[1]
+    if isinstance(dim, int):
+        return g.b.ints([dim])
+    return g.b.Slice(g.b.Shape(w), g.b.ints([1]), g.b.ints([2]))
 
 
 @r("Conv")
@@ -436,8 +437,7 @@ def grad_conv(g: GradContext):
     dw = None
     if g.needs[1]:
         xp = window.pad(g, x, pads.begin, pads.end, n)
-        in_per_group = _static_dim(g, w, 1, "the weight's input channels")
-        dw = window.weight_gradient(g, xp, dy, win, group, in_per_group, n)
+        dw = window.weight_gradient(g, xp, dy, win, group, _channels_per_group(g, w), n)
     db = window.reduce_batch_spatial(g, dy, n) if g.has_input(2) and g.needs[2] else None
     return dx, dw, db
 
@@ -465,8 +465,7 @@ def grad_conv_transpose(g: GradContext):
         if any(g.attr("output_padding", [0] * n)):  # trailing rows no input reached
             dx = g.b.Slice(dx, g.b.ints([0] * n), window.spatial_shape(g, x, n), g.b.ints(list(range(2, n + 2))))
     if g.needs[1]:
-        out_per_group = _static_dim(g, w, 1, "the weight's output channels")
-        dw = window.weight_gradient(g, full, x, win, group, out_per_group, n)
+        dw = window.weight_gradient(g, full, x, win, group, _channels_per_group(g, w), n)
     db = window.reduce_batch_spatial(g, dy, n) if g.has_input(2) and g.needs[2] else None
     return dx, dw, db
 
