@@ -1,12 +1,19 @@
-"""A LoRA training step: onnxtrain's LoRA artifacts (float32 and int8 base) against PEFT + PyTorch eager.
+"""A LoRA training step: onnxtrain's LoRA artifacts (float32, int8 and int4 base) against PEFT + PyTorch eager.
 
-A step is forward + backward + AdamW on the adapters only, on a Llama-style causal LM from a config
-(random weights; hidden 256, 4 layers, 8 heads / 4 KV heads, intermediate 688, vocab 8192: about 7.1M
-parameters), LoRA r=8 (alpha 16) on q_proj and v_proj, batch 4 x 64 tokens. Each variant runs in a
-fresh process (its peak RSS is its own), the variants in turn for ``--rounds`` rounds; the parent
-exports the model once and prints medians, ratios, artifact sizes and the loss curves' distance.
+A step is forward + backward + AdamW on the adapters only, on Llama-style causal LMs from a config (random
+weights, vocab 8192), LoRA r=8 (alpha 16) on q_proj and v_proj. Two models:
 
-    python benchmarks/lora_bench.py [--steps 20] [--rounds 2] [--threads 2]
+- "step" (hidden 256, 4 layers, 8 heads / 4 KV heads, intermediate 688: about 7.1M parameters; batch
+  4 x 64 tokens): step time against PEFT eager, artifact sizes, loss curves (``--steps``);
+- "memory" (hidden 1024, 8 layers, 16 heads / 4 KV heads, intermediate 4096: about 139M parameters,
+  555 MB of float32; batch 1 x 64 tokens): peak RSS (``--memory-steps``). Each worker records its RSS
+  after its imports (the baseline: Python, numpy, onnxruntime, or torch + transformers + peft) and its
+  peak (VmHWM); "the model's peak" is peak - baseline, what the weights, sessions and activations add.
+
+Each variant runs in a fresh process, the variants in turn for ``--rounds`` rounds; medians. Every
+printed number that has a target says "target ...: met / NOT met".
+
+    python benchmarks/lora_bench.py [--steps 20] [--memory-steps 4] [--rounds 3] [--threads 1] [--only step|memory]
 """
 
 from __future__ import annotations
@@ -24,17 +31,24 @@ import time
 from pathlib import Path
 
 SEED, VOCAB, BATCH, SEQ, LR = 0, 8192, 4, 64, 1e-3
-VARIANTS = ("peft_eager", "ondevice_float32", "ondevice_int8")
+BASES = ("float32", "int8", "int4")
+VARIANTS = ("peft_eager", *(f"ondevice_{b}" for b in BASES))
+# "step": the step-time model (about 7.1M parameters, batch 4 x 64 tokens); "memory": one whose weights
+# outweigh the activations kept for backward (about 139M parameters, 555 MB of float32; batch 1 x 64
+# tokens, a device's batch), for the peak-RSS rows.
+MODELS = {"step": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                       num_key_value_heads=4),
+          "memory": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
+                         num_key_value_heads=4)}
 
 
-def build_peft_model():
+def build_peft_model(size: str = "step"):
     import peft
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(SEED)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ)
+    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, **MODELS[size])
     lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     model = peft.get_peft_model(LlamaForCausalLM(config), lora)
 
@@ -50,26 +64,42 @@ def build_peft_model():
     return WithLoss(model)
 
 
-def batches(steps: int):
+BATCHES = {"step": BATCH, "memory": 1}
+
+
+def batches(steps: int, size: str = "step"):
     import numpy as np
 
     rng = np.random.default_rng(SEED)
     out = []
     for _ in range(steps):
-        start, stride = rng.integers(0, VOCAB, (BATCH, 1)), rng.integers(1, 4, (BATCH, 1))
+        start, stride = rng.integers(0, VOCAB, (BATCHES[size], 1)), rng.integers(1, 4, (BATCHES[size], 1))
         seq = (start + stride * np.arange(SEQ + 1)) % VOCAB
         out.append((seq[:, :-1].astype(np.int64), seq[:, 1:].astype(np.int64)))
     return out
 
 
-def worker(variant: str, directory: Path, steps: int, threads: int) -> dict:
-    data = batches(steps)
+def rss_mb(field: str) -> float:
+    """This process's current (VmRSS) or peak (VmHWM) resident memory. Not getrusage's ru_maxrss: Linux
+    carries that over exec, so a worker started by the parent would report the parent's peak if higher."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker(variant: str, directory: Path, size: str, steps: int, threads: int) -> dict:
+    """Train ``steps`` steps; the baseline is the RSS after the imports, before the model exists."""
+    data = batches(steps, size)
     times, losses = [], []
     if variant == "peft_eager":
+        import peft  # noqa: F401  (imported before the baseline, as onnxruntime is for the others)
         import torch
+        import transformers  # noqa: F401
 
         torch.set_num_threads(threads)
-        model = build_peft_model().train()
+        baseline = rss_mb("VmRSS")
+        model = build_peft_model(size).train()
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
         for x, y in data:
             t = time.perf_counter()
@@ -85,7 +115,8 @@ def worker(variant: str, directory: Path, steps: int, threads: int) -> dict:
 
         options = for_training()
         options.intra_op_num_threads = threads
-        d = directory / variant.removeprefix("ondevice_")
+        baseline = rss_mb("VmRSS")
+        d = directory / size / variant.removeprefix("ondevice_")
         state = CheckpointState.load_checkpoint(d / "checkpoint")
         module = Module(d / "training_model.onnx", state, session_options=options)
         optimizer = Optimizer(d / "optimizer_model.onnx", module)
@@ -97,79 +128,119 @@ def worker(variant: str, directory: Path, steps: int, threads: int) -> dict:
             module.lazy_reset_grad()
             times.append(time.perf_counter() - t)
             losses.append(float(loss))
-    return {"median_ms": 1e3 * statistics.median(times[1:]), "first_ms": 1e3 * times[0], "losses": losses,
-            "peak_rss_mb": peak_rss_mb()}
+    return {"median_ms": 1e3 * statistics.median(times[1:] or times), "first_ms": 1e3 * times[0], "losses": losses,
+            "peak_rss_mb": rss_mb("VmHWM"), "baseline_mb": baseline}
 
 
-def peak_rss_mb() -> float:
-    """This process's peak RSS (VmHWM). Not getrusage's ru_maxrss: Linux carries that over exec, so a
-    worker started by the parent would report the parent's peak if higher."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def prepare(directory: Path) -> dict:
+def prepare(directory: Path, size: str) -> dict:
     import torch
 
     from onnxtrain.ondevice.lora import generate_lora_artifacts
 
-    model = build_peft_model().eval()
+    model = build_peft_model(size).eval()
     x, y = (torch.from_numpy(a) for a in batches(1)[0])
-    path = directory / "model.onnx"
+    path = directory / f"{size}.onnx"
     program = torch.onnx.export(copy.deepcopy(model), (x, y), dynamo=True, input_names=["input_ids", "labels"],
                                 output_names=["loss"], optimize=False, verbose=False,
                                 dynamic_shapes=({0: "batch", 1: "seq"}, {0: "batch", 1: "seq"}))
     program.save(str(path))
+    del program
     sizes = {}
-    for base in ("float32", "int8"):
-        out = directory / base
+    for base in BASES:
+        out = directory / size / base
         generate_lora_artifacts(path, base=base, loss=None, optimizer="adamw", artifact_directory=out)
         sizes[base] = {f.name: f.stat().st_size for f in out.iterdir()}
+    path.unlink()
     counts = {"all": sum(p.numel() for p in model.parameters()),
               "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     return {"sizes": sizes, "parameters": counts}
 
 
+def run_rounds(directory: Path, size: str, steps: int, rounds: int, threads: int) -> dict:
+    """Each variant in a fresh process (its peak RSS is its own), the variants in turn, ``rounds`` times."""
+    runs = {v: [] for v in VARIANTS}
+    for _ in range(rounds):
+        for v in VARIANTS:
+            out = subprocess.run([sys.executable, __file__, "--worker", v, "--dir", str(directory), "--size", size,
+                                  "--steps", str(steps), "--threads", str(threads)], capture_output=True, text=True,
+                                 check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            runs[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return runs
+
+
+def met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def report_sizes(info: dict) -> None:
+    print(f"parameters: {info['parameters']['all']:,} ({info['parameters']['trainable']:,} trainable: adapters)")
+    total = {base: sum(files.values()) for base, files in info["sizes"].items()}
+    for base, files in info["sizes"].items():
+        print(f"  artifacts, {base} base: {total[base] / 2**20:.2f} MiB "
+              f"({', '.join(f'{k} {v / 2**20:.2f}' for k, v in sorted(files.items()))})")
+    ratio = total["float32"] / total["int8"]
+    print(f"  size float32 / int8: {ratio:.2f}x (target >= 3x: {met(ratio >= 3)}); "
+          f"float32 / int4: {total['float32'] / total['int4']:.2f}x (no target)")
+
+
+def report_losses(runs: dict, steps: int) -> None:
+    ref, f32, i8, i4 = (runs[v][0]["losses"] for v in VARIANTS)
+    rel = lambda a, b: max(abs(p - q) / abs(q) for p, q in zip(a, b))  # noqa: E731
+    print(f"  losses over {steps} steps: float32 vs PEFT max rel {rel(f32, ref):.2e} (target <= 1e-4: "
+          f"{met(rel(f32, ref) <= 1e-4)}); int8 vs float32 max rel {rel(i8, f32):.2e} (target <= 2%: "
+          f"{met(rel(i8, f32) <= 0.02)}); int4 vs float32 max rel {rel(i4, f32):.2e} (2%: {met(rel(i4, f32) <= 0.02)}); "
+          f"PEFT {ref[0]:.4f} -> {ref[-1]:.4f}, int4 {i4[0]:.4f} -> {i4[-1]:.4f}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20, help="steps per run of the step-time model")
+    parser.add_argument("--memory-steps", type=int, default=4, help="steps per run of the memory model")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", choices=tuple(MODELS), help="run one of the two models")
     parser.add_argument("--worker", choices=VARIANTS)
+    parser.add_argument("--size", choices=tuple(MODELS), default="step")
     parser.add_argument("--dir", type=Path)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.dir, args.steps, args.threads)))
+        print(json.dumps(worker(args.worker, args.dir, args.size, args.steps, args.threads)))
         return 0
-    directory = Path(tempfile.mkdtemp(prefix="lora-bench-"))
-    info = prepare(directory)
-    runs = {v: [] for v in VARIANTS}
-    for _ in range(args.rounds):
-        for v in VARIANTS:
-            out = subprocess.run([sys.executable, __file__, "--worker", v, "--dir", str(directory), "--steps",
-                                  str(args.steps), "--threads", str(args.threads)], capture_output=True, text=True,
-                                 check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-            runs[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"parameters: {info['parameters']['all']:,} ({info['parameters']['trainable']:,} trainable: adapters)")
-    for base, files in info["sizes"].items():
-        print(f"artifacts, {base} base: {sum(files.values()) / 2**20:.2f} MiB "
-              f"({', '.join(f'{k} {v / 2**20:.2f}' for k, v in sorted(files.items()))})")
-    ratio = sum(info["sizes"]["float32"].values()) / sum(info["sizes"]["int8"].values())
-    print(f"size float32 / int8: {ratio:.2f}x")
-    med = {v: statistics.median(r["median_ms"] for r in runs[v]) for v in VARIANTS}
-    rss = {v: statistics.median(r["peak_rss_mb"] for r in runs[v]) for v in VARIANTS}
-    for v in VARIANTS:
-        print(f"{v:18s} step {med[v]:7.1f} ms (per round {[round(r['median_ms'], 1) for r in runs[v]]}), "
-              f"first {runs[v][0]['first_ms']:.0f} ms, peak RSS {rss[v]:.0f} MB")
-    print(f"speed vs PEFT eager: float32 {med['peft_eager'] / med['ondevice_float32']:.2f}x, "
-          f"int8 {med['peft_eager'] / med['ondevice_int8']:.2f}x; "
-          f"peak RSS float32 / int8 {rss['ondevice_float32'] / rss['ondevice_int8']:.2f}x")
-    ref, f32, i8 = (runs[v][0]["losses"] for v in VARIANTS)
-    rel = lambda a, b: max(abs(p - q) / abs(q) for p, q in zip(a, b))  # noqa: E731
-    print(f"losses over {args.steps} steps: float32 vs PEFT max rel {rel(f32, ref):.2e}; "
-          f"int8 vs float32 max rel {rel(i8, f32):.2e}; PEFT {ref[0]:.4f} -> {ref[-1]:.4f}")
+    with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
+        directory = Path(tmp)
+        if args.only in (None, "step"):
+            started = time.perf_counter()
+            info = prepare(directory, "step")
+            runs = run_rounds(directory, "step", args.steps, args.rounds, args.threads)
+            print(f"== step model ({time.perf_counter() - started:.0f} s) ==")
+            report_sizes(info)
+            med = {v: statistics.median(r["median_ms"] for r in runs[v]) for v in VARIANTS}
+            for v in VARIANTS:
+                print(f"  {v:18s} step {med[v]:7.1f} ms (per round {[round(r['median_ms'], 1) for r in runs[v]]}), "
+                      f"first {runs[v][0]['first_ms']:.0f} ms")
+            for v in VARIANTS[1:]:
+                speed = med["peft_eager"] / med[v]
+                print(f"  {v} vs PEFT eager: {speed:.2f}x (target: a step measured against PEFT + PyTorch eager; "
+                      f"faster: {met(speed > 1)})")
+            report_losses(runs, args.steps)
+        if args.only in (None, "memory"):
+            started = time.perf_counter()
+            info = prepare(directory, "memory")
+            runs = run_rounds(directory, "memory", args.memory_steps, args.rounds, args.threads)
+            print(f"== memory model ({time.perf_counter() - started:.0f} s) ==")
+            report_sizes(info)
+            peak = {v: statistics.median(r["peak_rss_mb"] for r in runs[v]) for v in VARIANTS}
+            base = {v: statistics.median(r["baseline_mb"] for r in runs[v]) for v in VARIANTS}
+            for v in VARIANTS:
+                print(f"  {v:18s} peak RSS {peak[v]:6.0f} MB, baseline after imports {base[v]:4.0f} MB, "
+                      f"model's peak (peak - baseline) {peak[v] - base[v]:6.0f} MB "
+                      f"(per round {[round(r['peak_rss_mb'] - r['baseline_mb']) for r in runs[v]]})")
+            model_peak = {v: peak[v] - base[v] for v in VARIANTS}
+            ratio = model_peak["ondevice_float32"] / model_peak["ondevice_int8"]
+            print(f"  model's peak RSS float32 / int8: {ratio:.2f}x (target >= 2x: {met(ratio >= 2)}); "
+                  f"float32 / int4: {model_peak['ondevice_float32'] / model_peak['ondevice_int4']:.2f}x (no target); "
+                  f"whole process float32 / int8 {peak['ondevice_float32'] / peak['ondevice_int8']:.2f}x")
+            report_losses(runs, args.memory_steps)
     return 0
 
 

@@ -137,10 +137,12 @@ def worker(workload: str, mode: str, steps: int, warmup: int, threads: int, opti
         times.append(step()[0])
     if mode.startswith("ortmodule") and runner.fallback_reason is not None:
         raise RuntimeError(f"ORTModule fell back to PyTorch: {runner.fallback_reason}")
+    ran = sorted({(g.backend, g.precision) for entries in runner._cache.values() for g in entries}) \
+        if mode.startswith("ortmodule") else []
     peak = peak_rss_mb()
     return {"workload": workload, "mode": mode, "first_s": first, "median_s": statistics.median(times),
             "min_s": min(times), "peak_rss_mb": peak, "first_loss": first_loss, "steps": len(times),
-            "times": times}
+            "times": times, "ran": ran}
 
 
 # -- driver ---------------------------------------------------------------------------------------
@@ -181,6 +183,28 @@ def report(results: list[dict]) -> None:
               f"{r['min_s'] * 1e3:7.1f}ms {vs_eager:>9} {vs_compile:>10} {r['peak_rss_mb']:7.0f}MB")
     print("\nratios: eager (or compile) median step time / this median step time; >1 is faster (bf16 rows: "
           "against eager-bf16 and compile-bf16)")
+    report_targets(by_key)
+
+
+# Issue 17's bf16 targets: ORTModule under torch.autocast bf16 against eager and torch.compile under it.
+BF16_TARGETS = {("mlp", "eager-bf16"): 1.3, ("bert", "eager-bf16"): 1.4, ("bert", "compile-bf16"): 1.2,
+                ("gpt2", "eager-bf16"): 1.4, ("gpt2", "compile-bf16"): 1.2}
+
+
+def report_targets(by_key: dict) -> None:
+    """One row per bf16 target whose two runs are present: the ratio, the target and whether it is met."""
+    rows = []
+    for (workload, against), target in BF16_TARGETS.items():
+        ours, theirs = by_key.get((workload, "ortmodule-bf16"), {}), by_key.get((workload, against), {})
+        if "median_s" not in ours or "median_s" not in theirs:
+            continue
+        ratio = theirs["median_s"] / ours["median_s"]
+        note = "" if ours.get("ran") == [["openvino", "bf16"]] else f"  (ORTModule ran {ours.get('ran')}, not OpenVINO bf16)"
+        rows.append(f"{workload:9} ortmodule-bf16 vs {against:13} {ratio:6.2f}x  target >= {target}x  "
+                    f"{'met' if ratio >= target else 'NOT met'}{note}")
+    if rows:
+        print("\nbf16 targets (issue 17):")
+        print("\n".join(rows))
 
 
 def main(argv=None) -> int:

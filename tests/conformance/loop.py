@@ -22,13 +22,15 @@ def batch_arrays(case: dict, index: int) -> list[np.ndarray]:
     return [np.asarray(batch[n]["data"], dtype=batch[n]["dtype"]).reshape(batch[n]["shape"]) for n in case["inputs"]]
 
 
-def run_case(folder: Path, case: dict, checkpoint: Path) -> tuple[list[float], dict]:
+def run_case(folder: Path, case: dict, checkpoint: Path, graphs: Path | None = None) -> tuple[list[float], dict]:
     """Train ``case`` from the artifacts in ``folder``: the losses of every training call, then the eval
     loss on batch 0 and ``checkpoint``, the path the trained state is saved to with the optimizer state
-    (the caller owns its folder: pytest's ``tmp_path``)."""
+    (the caller owns its folder: pytest's ``tmp_path``). ``graphs``: a folder with other training and
+    optimizer models for the same checkpoint (``<case>/web/``, the ``target="web"`` artifacts)."""
+    graphs = folder if graphs is None else graphs
     state = CheckpointState.load_checkpoint(folder / "checkpoint")
-    module = Module(folder / "training_model.onnx", state, folder / "eval_model.onnx")
-    optimizer = Optimizer(folder / "optimizer_model.onnx", module)
+    module = Module(graphs / "training_model.onnx", state, folder / "eval_model.onnx")
+    optimizer = Optimizer(graphs / "optimizer_model.onnx", module)
     optimizer.set_learning_rate(case["learning_rate"])
     scheduler = None
     if case["schedule"]:

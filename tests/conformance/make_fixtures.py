@@ -3,9 +3,11 @@
 Each case is a folder: the four artifacts, ``case.json`` (the batches, the loop, the expected losses)
 and ``expected_checkpoint`` (parameters and optimizer state after the loop, written by the Python
 runtime). The Python runtime's losses are checked against PyTorch training the same model first, so
-the fixtures are trusted, not just self-consistent.
+the fixtures are trusted, not just self-consistent. ``web/`` holds the training and optimizer models of
+the same model generated with ``target="web"``, which must reproduce the same numbers.
 
-    PYTHONPATH=src python tests/conformance/make_fixtures.py       # needs torch; rewrites the folders
+    PYTHONPATH=src python tests/conformance/make_fixtures.py        # needs torch; rewrites the folders
+    PYTHONPATH=src python tests/conformance/make_fixtures.py --web  # only the web/ graphs of each case
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ def make(name: str, out_root: Path = HERE) -> None:
         path = export(model, example, Path(tmp) / "model.onnx", input_names)
         artifacts.generate_artifacts(path, requires_grad=[n for n, _ in model.named_parameters()],
                                      loss="crossentropy", optimizer=optimizer_block, artifact_directory=out)
+        _web_graphs(path, model, optimizer_block, out, Path(tmp))
     case = {"format": "onnxtrain.conformance", "version": 1, "name": name, **loop,
             "inputs": list(batches[0]), "batches": [{k: _as_json(v) for k, v in b.items()} for b in batches],
             "order": order}
@@ -140,6 +143,32 @@ def make(name: str, out_root: Path = HERE) -> None:
     print(f"{name}: {len(losses)} losses {losses[0]:.4f} -> {losses[-1]:.4f}, vs PyTorch max rel {rel.max():.1e}")
 
 
+WEB_GRAPHS = ("training_model.onnx", "optimizer_model.onnx")
+
+
+def _web_graphs(path: Path, model, optimizer_block, out: Path, tmp: Path) -> None:
+    """``out/web/``: the training and optimizer models of ``target="web"`` (the checkpoint and eval model
+    are the case's own)."""
+    artifacts.generate_artifacts(path, requires_grad=[n for n, _ in model.named_parameters()], loss="crossentropy",
+                                 optimizer=optimizer_block, artifact_directory=tmp / "web", target="web")
+    (out / "web").mkdir(exist_ok=True)
+    for file in WEB_GRAPHS:
+        shutil.copy(tmp / "web" / file, out / "web" / file)
+
+
+def make_web(name: str, out_root: Path = HERE) -> None:
+    """Only the ``web/`` graphs of an existing case, from the same seeded model."""
+    model_cls, example, input_names, optimizer_block, _ = CASES[name]
+    torch.manual_seed(0)
+    model = model_cls()
+    out = out_root / name
+    with tempfile.TemporaryDirectory() as tmp:
+        path = export(model, example, Path(tmp) / "model.onnx", input_names)
+        _web_graphs(path, model, optimizer_block, out, Path(tmp))
+    print(f"{name}: wrote {out / 'web'}")
+
+
 if __name__ == "__main__":
-    for case_name in sys.argv[1:] or CASES:
-        make(case_name)
+    web_only = "--web" in sys.argv[1:]
+    for case_name in [a for a in sys.argv[1:] if a != "--web"] or CASES:
+        (make_web if web_only else make)(case_name)

@@ -25,11 +25,14 @@ def assert_close(ours, expected, what: str) -> None:
     assert err <= RTOL, f"{what}: max difference {err:.2e} of the largest value (tolerance {RTOL})"
 
 
+@pytest.mark.parametrize("graphs", ["default", "web"])
 @pytest.mark.parametrize("name", CASES)
-def test_python_runtime_reproduces_fixture(name, tmp_path):
+def test_python_runtime_reproduces_fixture(name, graphs, tmp_path):
+    """The case's artifacts, and its ``web/`` graphs (``target="web"``) with the same checkpoint, give the
+    recorded numbers."""
     folder = HERE / name
     case = json.loads((folder / "case.json").read_text())
-    losses, final = run_case(folder, case, tmp_path / "checkpoint")
+    losses, final = run_case(folder, case, tmp_path / "checkpoint", folder / "web" if graphs == "web" else None)
     for i, (ours, theirs) in enumerate(zip(losses, case["losses"], strict=True)):
         assert abs(ours - theirs) <= RTOL * abs(theirs), f"{name} loss {i}: {ours} != {theirs}"
     assert abs(final["eval_loss"] - case["eval_loss"]) <= RTOL * abs(case["eval_loss"])

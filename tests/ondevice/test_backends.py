@@ -143,3 +143,27 @@ def test_bf16_artifacts_run_in_bf16(mlp_onnx, tmp_path):
                   precision="fp32").backend == "onnxruntime"
     with pytest.raises(ValueError, match="unknown precision 'fp8' for artifacts"):
         generate(path, tmp_path / "fp8", requires_grad=params, loss="crossentropy", precision="fp8")
+
+
+def test_graph_openvino_cannot_read_runs_on_onnxruntime(monkeypatch):
+    """A ReduceSum whose axes have a run-time length (the gradient engine's un-broadcast where sizes are
+    unknown): OpenVINO refuses it; that graph runs on onnxruntime in float32, with a warning naming it."""
+    from onnx import TensorProto, helper
+
+    monkeypatch.setattr(backends, "_warned", set())
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Shape", ["y"], ["t"]),
+             helper.make_node("Equal", ["s", "t"], ["same"]), helper.make_node("Not", ["same"], ["differs"]),
+             helper.make_node("NonZero", ["differs"], ["nz"]),
+             helper.make_node("Constant", [], ["flat"], value=helper.make_tensor("flat", TensorProto.INT64, [1], [-1])),
+             helper.make_node("Reshape", ["nz", "flat"], ["axes"]),
+             helper.make_node("ReduceSum", ["y", "axes"], ["out"], keepdims=1, noop_with_empty_axes=1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["a", "b"]),
+                                           helper.make_tensor_value_info("y", TensorProto.FLOAT, ["c", "d"])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    with pytest.warns(RuntimeWarning, match=r"OpenVINO cannot convert a graph \(ReduceSum.*onnxruntime in float32"):
+        session = backends.create_session(model.SerializeToString(), "openvino", "bf16")
+    y = np.arange(6, dtype=np.float32).reshape(2, 3)
+    (out,) = session.run(None, {"x": np.zeros((1, 3), np.float32), "y": y})
+    np.testing.assert_array_equal(out, y.sum(axis=0, keepdims=True))

@@ -311,3 +311,39 @@ def test_int4_base_trains_as_peft_on_the_dequantized_weights(peft_llama, float_r
             np.testing.assert_allclose(state.parameters[name].data, p.detach().numpy(), rtol=1e-3, atol=1e-5)
     q_name = f"{Q_PROJ}.base_layer.weight.int4"
     np.testing.assert_array_equal(state.parameters[q_name].data, start.parameters[q_name].data)
+    # the gradient nodes unpack the weights again instead of keeping the forward's float32 copies
+    nodes = onnx.load(tmp_path / "training_model.onnx").graph.node
+    assert any(n.op_type == "Div" and n.name.endswith("/again_in_backward") for n in nodes)
+
+
+@pytest.mark.parametrize("cols, block", [(64, 32), (48, 16)])
+def test_int4_quantization_pass_against_numpy(cols, block):
+    """onnxruntime runs the int4 graph (a linear layer and an embedding lookup): what numpy's dequantization
+    of the packed blocks gives, each weight within half a step of its block's scale."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from onnxtrain.ondevice.lora_quant import dequantize_blocks_int4, quantize_base, quantize_blocks_int4
+
+    rng = np.random.default_rng(0)
+    w, table = rng.normal(size=(8, cols)).astype(np.float32), rng.normal(size=(10, cols)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "Wt"], ["y"]),
+         helper.make_node("Gather", ["E", "ids"], ["rows"], axis=0)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, cols]),
+         helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8]),
+         helper.make_tensor_value_info("rows", TensorProto.FLOAT, [2, 3, cols])],
+        [onnx.numpy_helper.from_array(w, "W"), onnx.numpy_helper.from_array(table, "E")])
+    model, names = quantize_base(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), ["W", "E"], bits=4)
+    assert names == ["W.int4", "W.scale", "E.int4", "E.scale"]
+    x, ids = rng.normal(size=(2, cols)).astype(np.float32), np.array([[0, 9, 3], [3, 3, 1]])
+    y, rows = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x, "ids": ids})
+    for weight in (w, table):
+        packed, scale = quantize_blocks_int4(weight, block)
+        assert packed.dtype == np.uint8 and scale.shape == (weight.shape[0], cols // block)
+        step = np.repeat(scale, block, axis=1)
+        assert (np.abs(dequantize_blocks_int4(packed, scale) - weight) <= step / 2 + 1e-6).all()
+    np.testing.assert_allclose(y, x @ dequantize_blocks_int4(*quantize_blocks_int4(w, block)).T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(rows, dequantize_blocks_int4(*quantize_blocks_int4(table, block))[ids])

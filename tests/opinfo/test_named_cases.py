@@ -250,3 +250,32 @@ def test_conv_with_the_weight_as_an_input(n, groups):
 def test_conv_transpose_with_the_weight_as_an_input(groups):
     x, w = torch.randn(2, 4, 5, 6), torch.randn(4, 6 // groups, 3, 2)
     assert_matches_eager(lambda t, k: F.conv_transpose2d(t, k, None, 2, 1, 1, groups), [x, w])
+
+
+def _with_nans_and_ties(shape, seed):
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    t.view(-1)[::5] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize("fn", [torch.fmax, torch.fmin])
+def test_fmax_fmin_nan_and_ties(fn):
+    """A NaN loses to a number (two NaNs give NaN); a tie's gradient goes to the first input, as in PyTorch."""
+    a, b = _with_nans_and_ties((4, 5), 0), _with_nans_and_ties((5,), 1)
+    a[1] = b  # ties
+    b[2] = float("nan")
+    assert_matches_eager(lambda x, y: fn(x, y) * 2, [a, b])
+
+
+def test_copysign_negative_zero_and_broadcast():
+    a = torch.randn(4, 5)
+    a[0, 0] = 0.0
+    b = torch.tensor([1.0, -2.0, 0.0, -0.0, 3.0])
+    assert_matches_eager(lambda x, y: torch.copysign(x, y) * 2, [a, b])
+
+
+def test_hypot_large_values_and_zeros():
+    """sqrt(a^2 + b^2) overflows from about 1.8e19; PyTorch's hypot does not."""
+    a = torch.tensor([[3e20, -1e-3, 0.0, 5.0], [1.0, 2.0, -3.0, 4e25]])
+    b = torch.tensor([4e20, 2.0, 1.5, -12.0])
+    assert_matches_eager(lambda x, y: torch.hypot(x, y), [a, b], atol=1e-5, rtol=1e-5)

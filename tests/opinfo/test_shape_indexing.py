@@ -142,3 +142,31 @@ def test_split_to_slices_leaves_a_dynamic_index_alone():
 def test_split_to_slices_leaves_split_with_keepdims_0_alone():
     model = ir.from_proto(_split_model(1, 0, [0]))  # ONNX ignores keepdims here; onnxruntime squeezes
     assert not split_to_slices(model.graph, [(6, 3)])
+
+
+@pytest.mark.parametrize("reduce", ["amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_scatter_reduce_amax_amin_gradients(reduce, include_self, ties):
+    """``ScatterElements(reduction="max"/"min")``'s gradient: shared evenly among the entries equal to the
+    result, as PyTorch's backward does (with ``include_self=False`` it still counts ``self``'s ties)."""
+    torch.manual_seed(3)
+    index = torch.randint(0, 4, (6, 5))
+    for dim, src_shape in ((0, (6, 5)), (1, (4, 7))):
+        idx = index if dim == 0 else torch.randint(0, 5, src_shape)
+
+        def fn(x, src, idx=idx, dim=dim):
+            return x.scatter_reduce(dim, idx, src, reduce, include_self=include_self)
+
+        model = ORTModule(_Fn(fn))
+        draw = (lambda shape: torch.randint(0, 3, shape).float()) if ties else torch.randn
+        x, src = draw((4, 5)), draw(src_shape)
+        xs = [x.requires_grad_(), src.requires_grad_()]
+        refs = [t.detach().clone().requires_grad_() for t in xs]
+        out, ref = model(*xs), fn(*refs)
+        assert model.fallback_reason is None, model.fallback_reason
+        torch.testing.assert_close(out, ref)
+        weight = torch.randn_like(ref)
+        for got, expected in zip(torch.autograd.grad((out * weight).sum(), xs),
+                                 torch.autograd.grad((ref * weight).sum(), refs)):
+            torch.testing.assert_close(got, expected)

@@ -1,7 +1,7 @@
 // Step times (training step + optimizer step + gradient reset) of onnxtrain-web in headless Chromium and in
 // Node (the same WebAssembly), on 1 and 2 threads, against the Python runtime's times that make_bench.py
-// wrote; the variants alternate over rounds and each number is a median. Then one WebGPU try per model.
-// Run make_bench.py first (it writes the models and the Python times).
+// wrote; the variants alternate over rounds and each number is a median. Run make_bench.py first (it writes
+// the models and the Python times). WebGPU is tried by bench/webgpu.mjs.
 //   node bench/bench.mjs [rounds]        (default 3)
 // Targets (issue 19): Chromium on one thread within 2.5x of Python on one thread; two threads faster than
 // one. Both are checked on the `target="web"` artifacts (<model>-web/), the ones made for the browser.
@@ -24,13 +24,13 @@ const browser = await launch();
 const { port } = server.address();
 const median = (v) => v.slice().sort((a, b) => a - b)[Math.floor(v.length / 2)];
 
-async function chromium(folder, threads, ep = 'wasm') {
+async function chromium(folder, threads) {
   const page = await browser.newPage();
   try {
-    const url = `http://127.0.0.1:${port}/web/example/?bench=/web/bench/${folder}/&threads=${threads}&ep=${ep}`;
+    const url = `http://127.0.0.1:${port}/web/example/?bench=/web/bench/${folder}/&threads=${threads}`;
     const result = await openAndWait(page, url, 590_000);
     if (result.error) throw new Error(result.error.split('\n')[0]);
-    if (ep === 'wasm' && threads > 1 && !result.crossOriginIsolated) throw new Error('the page is not cross-origin isolated');
+    if (threads > 1 && !result.crossOriginIsolated) throw new Error('the page is not cross-origin isolated');
     return result.bench.median_ms;
   } finally {
     await page.close();
@@ -59,7 +59,7 @@ for (let r = 0; r < rounds; r++) {
 }
 
 const rows = [];
-const out = { rounds, wasm: {}, webgpu: {}, targets: {} };
+const out = { rounds, wasm: {}, targets: {} };
 for (const model of MODELS) {
   for (const threads of THREADS) {
     const m = (key) => median(times[key]);
@@ -77,24 +77,7 @@ for (const model of MODELS) {
   const [one, two] = rows.filter((r) => r.model === model);
   out.targets[`${model}: Chromium 1 thread within ${TARGET_RATIO}x of Python`] = one.ratio <= TARGET_RATIO;
   out.targets[`${model}: Chromium 2 threads faster than 1`] = two.chromium_web_ms < one.chromium_web_ms;
-  for (const v of VARIANTS) {
-    try {
-      out.webgpu[model + v] = { chromium_ms: await chromium(model + v, 1, 'webgpu') };
-    } catch (error) {
-      out.webgpu[model + v] = { error: String(error.message ?? error).slice(0, 300) };
-    }
-  }
 }
-const page = await browser.newPage();
-await page.goto(`http://127.0.0.1:${port}/web/example/`);
-out.webgpu.adapter = await page.evaluate(async () => {
-  if (!navigator.gpu) return 'navigator.gpu absent';
-  const adapter = await navigator.gpu.requestAdapter();
-  if (!adapter) return 'no WebGPU adapter';
-  const i = adapter.info ?? {};
-  return `${i.vendor} ${i.architecture} ${i.description ?? ''}`.trim();
-});
-await page.close();
 out.chromium = await browser.version();
 out.minutes = (performance.now() - t0) / 60_000;
 await browser.close();
@@ -108,10 +91,5 @@ for (const r of rows) {
   console.log(`| ${r.model} | ${r.threads} | ${f(r.chromium_default_ms)} | ${f(r.chromium_web_ms)} | ${f(r.node_web_ms)} | ${f(r.python_ms)} | ${f(r.ratio)}x | ${target} |`);
 }
 for (const [what, met] of Object.entries(out.targets)) console.log(`${what}: ${met ? 'met' : 'not met'}`);
-console.log(`WebGPU (adapter: ${out.webgpu.adapter}):`);
-for (const v of MODELS.flatMap((m) => VARIANTS.map((x) => m + x))) {
-  const w = out.webgpu[v];
-  console.log(`  ${v}: ${w.error ? 'failed: ' + w.error : f(w.chromium_ms) + ' ms'}`);
-}
 console.log(`${out.chromium}; ${rounds} rounds in ${f(out.minutes)} minutes`);
 writeFileSync(new URL('./browser_results.json', import.meta.url), JSON.stringify(out, null, 1));

@@ -1,7 +1,8 @@
 // The example page: trains a classifier in the browser with onnxtrain-web, drawing the loss as it goes.
 // URL parameters: steps (default 150), threads (WebAssembly threads; default 2 when the page is
 // cross-origin isolated, else 1), ep=webgpu, autorun=1 (train at once), conformance=1 (first replay the
-// conformance fixtures and compare with the Python runtime), bench=<folder> (time a bench model only).
+// conformance fixtures and compare with the Python runtime; graphs=web replays their target="web" graphs),
+// bench=<folder> (time a bench model only).
 // Results go to window.onnxtrainResult for the headless test.
 import * as ort from 'onnxruntime-web';
 import { CheckpointState, LinearLRScheduler, Module, Optimizer } from '../lib/index.js';
@@ -14,6 +15,7 @@ const BATCH = 32;
 const threads = Number(params.get('threads') ?? (self.crossOriginIsolated ? 2 : 1));
 ort.env.wasm.numThreads = threads;
 const ep = params.get('ep') ?? 'wasm';
+const graphs = params.get('graphs') === 'web' ? 'web/' : '';  // the fixtures' target="web" graphs
 const options = { executionProviders: ep === 'webgpu' ? ['webgpu', 'wasm'] : ['wasm'] };
 const result = { done: false, error: null, threads, ep, crossOriginIsolated: self.crossOriginIsolated };
 window.onnxtrainResult = result;
@@ -103,7 +105,7 @@ async function conformance() {
   for (const name of ['mlp', 'cnn', 'transformer']) {
     const base = `/tests/conformance/${name}/`;
     const testCase = await (await fetch(base + 'case.json')).json();
-    const run = await runCase(testCase, (file) => bytes(base + file), options);
+    const run = await runCase(testCase, (file) => bytes(base + file), options, graphs);
     const lossError = Math.max(...run.losses.map((l, i) => Math.abs(l - testCase.losses[i]) / Math.abs(testCase.losses[i])));
     const [worst, paramError] = worstDifference(run.state, CheckpointState.fromBytes(await bytes(base + 'expected_checkpoint')));
     out[name] = { lossError, paramError, worst, steps: testCase.steps };

@@ -15,11 +15,12 @@ export function batchFeeds(testCase, index) {
   return feeds;
 }
 
-/** `load(file)` returns a file of the case's folder as a Uint8Array. */
-export async function runCase(testCase, load, options = {}) {
+/** `load(file)` returns a file of the case's folder as a Uint8Array; `graphs` is '' for the case's own
+ * training and optimizer models, 'web/' for its `target="web"` ones (same checkpoint, same numbers). */
+export async function runCase(testCase, load, options = {}, graphs = '') {
   const state = CheckpointState.fromBytes(await load('checkpoint'));
-  const module = await Module.create(await load('training_model.onnx'), state, await load('eval_model.onnx'), options);
-  const optimizer = await Optimizer.create(await load('optimizer_model.onnx'), module);
+  const module = await Module.create(await load(graphs + 'training_model.onnx'), state, await load('eval_model.onnx'), options);
+  const optimizer = await Optimizer.create(await load(graphs + 'optimizer_model.onnx'), module);
   optimizer.setLearningRate(testCase.learning_rate);
   const s = testCase.schedule;
   const scheduler = s ? new LinearLRScheduler(optimizer, s.warmup_step_count, s.total_step_count, s.initial_lr) : null;

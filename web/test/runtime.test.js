@@ -13,10 +13,11 @@ const RTOL = 1e-5;
 const file = (name, rel) => new Uint8Array(readFileSync(new URL(`${name}/${rel}`, FIXTURES)));
 const caseOf = (name) => JSON.parse(readFileSync(new URL(`${name}/case.json`, FIXTURES), 'utf8'));
 
-for (const name of ['mlp', 'cnn', 'transformer']) {
-  test(`${name}: losses and parameters after ${caseOf(name).steps} steps match the Python runtime`, async (t) => {
+for (const [name, graphs] of ['mlp', 'cnn', 'transformer'].flatMap((n) => [[n, ''], [n, 'web/']])) {
+  const what = graphs ? `${name} (web artifacts)` : name;
+  test(`${what}: losses and parameters after ${caseOf(name).steps} steps match the Python runtime`, async (t) => {
     const testCase = caseOf(name);
-    const { losses, evalLoss, state } = await runCase(testCase, (rel) => file(name, rel));
+    const { losses, evalLoss, state } = await runCase(testCase, (rel) => file(name, rel), {}, graphs);
     assert.equal(losses.length, testCase.losses.length);
     const lossErr = Math.max(...losses.map((l, i) => Math.abs(l - testCase.losses[i]) / Math.abs(testCase.losses[i])));
     assert.ok(lossErr <= RTOL, `loss relative error ${lossErr}`);
@@ -24,7 +25,7 @@ for (const name of ['mlp', 'cnn', 'transformer']) {
     const expected = CheckpointState.fromBytes(file(name, 'expected_checkpoint'));
     const [what, err] = worstDifference(state, expected);
     assert.ok(err <= RTOL, `${what}: relative error ${err}`);
-    t.diagnostic(`${name}: max loss error ${lossErr.toExponential(1)}, worst tensor ${what} ${err.toExponential(1)}`);
+    t.diagnostic(`${what}: max loss error ${lossErr.toExponential(1)}, worst tensor ${what} ${err.toExponential(1)}`);
     assert.equal(state.optimizerStep, testCase.steps);
     // save, load and compare: the bytes round-trip through the checkpoint format
     const again = CheckpointState.fromBytes(CheckpointState.saveCheckpoint(state, true));

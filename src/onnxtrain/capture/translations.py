@@ -14,6 +14,8 @@
   pads included (:mod:`.padding`).
 - ``aten.adaptive_max_pool2d`` (and 1d through it), ``aten._adaptive_avg_pool3d``: window by window, unbatched
   inputs included (:mod:`.adaptive_pool`).
+- ``aten.fmax``, ``aten.fmin``, ``aten.copysign``, ``aten.hypot``: ``Where`` over PyTorch's comparisons (the
+  exporter lowers them to prims it cannot translate; :mod:`.elementwise`).
 - ``aten._safe_softmax``: no NaN gradient from rows of only ``-inf`` (:mod:`.softmax`).
 - ``aten.scatter_reduce.two`` with ``reduce="mean"``: the mean, not a plain scatter (:mod:`.scatter_reduce`).
 - ``aten.atleast_1d/2d/3d.Sequence`` (``hstack``, ``vstack``, ``dstack``, ``column_stack``): one reshape per
@@ -37,6 +39,7 @@ from onnxtrain.capture.amax import amax, amin
 from onnxtrain.capture.attention import scaled_dot_product_attention
 from onnxtrain.capture.batchnorm import batch_norm_functional, native_batch_norm
 from onnxtrain.capture.divide import divide
+from onnxtrain.capture.elementwise import copysign, fmax, fmin, hypot
 from onnxtrain.capture.padding import pad
 from onnxtrain.capture.pooling import avg_pool2d, avg_pool3d
 from onnxtrain.capture.refuse import special_erfcx, special_log_ndtr
@@ -107,6 +110,10 @@ TRANSLATIONS = {
     torch.ops.aten.avg_pool3d.default: avg_pool3d,
     torch.ops.aten.scatter_reduce.two: scatter_reduce,
     torch.ops.aten.pad.default: pad,
+    torch.ops.aten.fmax.default: fmax,
+    torch.ops.aten.fmin.default: fmin,
+    torch.ops.aten.copysign.Tensor: copysign,
+    torch.ops.aten.hypot.default: hypot,
     torch.ops.aten.adaptive_max_pool2d.default: adaptive_max_pool2d,
     torch.ops.aten._adaptive_avg_pool3d.default: adaptive_avg_pool3d,
     torch.ops.aten.atleast_1d.Sequence: atleast_1d_sequence,

@@ -21,6 +21,7 @@ Vectors (norm weights, biases) stay float32.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 
@@ -28,8 +29,9 @@ import onnx
 
 from onnxtrain.ondevice.artifacts import Artifacts, generate_artifacts
 from onnxtrain.ondevice.lora_add import add_lora_adapters
-from onnxtrain.ondevice.lora_quant import quantize_base, quantize_base_int8, quantize_rows_int8
-from onnxtrain.utils.io import load_model
+from onnxtrain.ondevice.format import TRAINING_METADATA_KEY
+from onnxtrain.ondevice.lora_quant import quantize_base, quantize_base_int8, quantize_rows_int8, unpack_again_in_backward
+from onnxtrain.utils.io import load_model, save_model_atomic
 
 ADAPTER_MARKERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 BASE_FORMATS = ("float32", "int8", "int4")
@@ -68,7 +70,18 @@ def generate_lora_artifacts(model: onnx.ModelProto | str | os.PathLike, base: st
     adapters, frozen = split_parameters(proto, adapter_markers)
     if base != "float32":
         proto, frozen = quantize_base(proto, frozen, bits=8 if base == "int8" else 4)
-    return generate_artifacts(proto, requires_grad=adapters, frozen_params=frozen, **kwargs)
+    artifacts = generate_artifacts(proto, requires_grad=adapters, frozen_params=frozen, **kwargs)
+    if base == "int4":
+        _unpack_again_in_backward(artifacts.training_model, frozen)
+    return artifacts
+
+
+def _unpack_again_in_backward(path, frozen: Sequence[str]) -> None:
+    """Rewrite the training model so that no unpacked int4 weight lives from forward to backward."""
+    model = load_model(path)
+    meta = json.loads(next(p.value for p in model.metadata_props if p.key == TRAINING_METADATA_KEY))
+    if unpack_again_in_backward(model, len(meta["outputs"]), frozen):
+        save_model_atomic(model, path)
 
 
 __all__ = ["generate_lora_artifacts", "quantize_base_int8", "quantize_rows_int8", "split_parameters"]

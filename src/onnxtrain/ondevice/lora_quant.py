@@ -9,7 +9,7 @@
 - any other matrix (a linear weight ``[out, in]``) is read through a standard ``DequantizeLinear(axis=0)``.
 
 ``quantize_base(..., bits=4)`` stores ``<W>.int4`` instead: symmetric int4 per block of 32 values along each
-row (``<W>.scale`` is ``[out, in / 32]``), two values a byte in a uint8 tensor (the checkpoint and the
+row (16 where the row's length is not a multiple of 32; ``<W>.scale`` is ``[out, in / block]``), two values a byte in a uint8 tensor (the checkpoint and the
 runtime bind numpy arrays, and numpy has no int4). The graph unpacks it with standard ONNX ops (BitShift,
 Sub, Concat, Reshape, Cast, Mul; opset 15 or later), so the artifacts run on any ONNX runtime; this is
 what ``DequantizeLinear`` with an int4 tensor and ``block_size=32`` (opset 21) computes, without needing
@@ -71,6 +71,7 @@ def _gather_then_dequantize(gather: onnx.NodeProto, qname: str, sname: str) -> l
 
 
 INT4_BLOCK = 32
+INT4_BLOCKS = (INT4_BLOCK, 16)  # 16 where a row's length is not a multiple of 32 (688: 43 blocks of 16)
 _C = "lora.int4."  # the int4 reading's shared constants
 
 
@@ -139,7 +140,7 @@ def quantize_base(model: onnx.ModelProto, names: Sequence[str], bits: int = 8) -
     (``bits=4``, packed) and ``<W>.scale``, read as the module docstring says.
 
     Returns the model and the names of the new initializers in place of the quantized ones; initializers
-    that are not float32 matrices (or, for int4, whose rows are not a multiple of the block) are left as
+    that are not float32 matrices (or, for int4, whose rows are a multiple of neither 32 nor 16) are left as
     they are and keep their names.
     """
     if bits not in BITS:
@@ -156,14 +157,15 @@ def quantize_base(model: onnx.ModelProto, names: Sequence[str], bits: int = 8) -
     outputs = {o.name for o in graph.output}
     head, kept, out_names, replaced, constants = [], [], [], {}, {}
     for t in list(graph.initializer):
+        block = next((b for b in INT4_BLOCKS if len(t.dims) == 2 and t.dims[1] % b == 0), None)
         if t.name not in names or t.data_type != onnx.TensorProto.FLOAT or len(t.dims) != 2 \
-                or (bits == 4 and t.dims[1] % INT4_BLOCK):
+                or (bits == 4 and block is None):
             kept.append(t)
             if t.name in names:
                 out_names.append(t.name)
             continue
         weight = numpy_helper.to_array(t)
-        q, scale = quantize_rows_int8(weight) if bits == 8 else quantize_blocks_int4(weight)
+        q, scale = quantize_rows_int8(weight) if bits == 8 else quantize_blocks_int4(weight, block)
         qname, sname = f"{t.name}.{BITS[bits]}", f"{t.name}.scale"
         clash = [n for n in (qname, sname) if n in taken]
         if clash:
@@ -171,7 +173,7 @@ def quantize_base(model: onnx.ModelProto, names: Sequence[str], bits: int = 8) -
         kept += [numpy_helper.from_array(q, qname), numpy_helper.from_array(scale, sname)]
         out_names += [qname, sname]
         if bits == 4:
-            constants.update({c.name: c for c in _int4_constants(int(t.dims[1]), INT4_BLOCK)})
+            constants.update({c.name: c for c in _int4_constants(int(t.dims[1]), block)})
         if _gathered_only(t.name, readers, outputs):
             for g in readers[t.name]:
                 if bits == 8:
@@ -182,11 +184,11 @@ def quantize_base(model: onnx.ModelProto, names: Sequence[str], bits: int = 8) -
                     replaced[id(g)] = [
                         helper.make_node("Gather", [qname, g.input[1]], [f"{out}.packed"], axis=0, name=f"{base}/int4"),
                         helper.make_node("Gather", [sname, g.input[1]], [f"{out}.scale"], axis=0, name=f"{base}/scale"),
-                        *_unpack_int4(f"{out}.packed", f"{out}.scale", out, int(t.dims[1]), INT4_BLOCK)]
+                        *_unpack_int4(f"{out}.packed", f"{out}.scale", out, int(t.dims[1]), block)]
         elif bits == 8:
             head.append(helper.make_node("DequantizeLinear", [qname, sname], [t.name], axis=0, name=f"dequantize/{t.name}"))
         else:
-            head += _unpack_int4(qname, sname, t.name, int(t.dims[1]), INT4_BLOCK)
+            head += _unpack_int4(qname, sname, t.name, int(t.dims[1]), block)
     del graph.initializer[:]
     graph.initializer.extend(kept + list(constants.values()))
     old = list(graph.node)
@@ -202,4 +204,89 @@ def quantize_base_int8(model: onnx.ModelProto, names: Sequence[str]) -> tuple[on
     return quantize_base(model, names, bits=8)
 
 
-__all__ = ["dequantize_blocks_int4", "quantize_base", "quantize_base_int8", "quantize_blocks_int4", "quantize_rows_int8"]
+
+
+def _forward_nodes(nodes: list[onnx.NodeProto], outputs: list[str]) -> set[int]:
+    """Indices of the nodes that ``outputs`` (the loss and additional outputs) need."""
+    producers = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    seen: set[int] = set()
+    stack = list(outputs)
+    while stack:
+        k = producers.get(stack.pop())
+        if k is None or k in seen:
+            continue
+        seen.add(k)
+        stack.extend(i for i in nodes[k].input if i)
+    return seen
+
+
+def _clone_for_backward(nodes: list[onnx.NodeProto], chain: list[int], sixteen: str) -> tuple[list[onnx.NodeProto], dict]:
+    """Copies of ``nodes[chain]`` with new output names; a right shift of a packed weight becomes a Div."""
+    clones, rename = [], {}
+    for k in chain:
+        maker = nodes[k]
+        copy = onnx.NodeProto()
+        copy.CopyFrom(maker)
+        copy.name = f"{maker.name or maker.op_type}/again_in_backward"
+        inputs = [rename.get(i, i) for i in maker.input]
+        if maker.op_type == "BitShift" and maker.input[0] not in rename \
+                and helper.get_attribute_value(maker.attribute[0]) == b"RIGHT":
+            del copy.attribute[:]
+            copy.op_type, inputs = "Div", [maker.input[0], sixteen]
+        del copy.input[:]
+        copy.input.extend(inputs)
+        del copy.output[:]
+        copy.output.extend(f"{o}/again_in_backward" for o in maker.output)
+        rename.update(zip(maker.output, copy.output))
+        clones.append(copy)
+    return clones, rename
+
+
+def unpack_again_in_backward(model: onnx.ModelProto, num_forward_outputs: int, parameters: Sequence[str]) -> int:
+    """Give the gradient nodes their own unpacking of each int4 weight (in place); returns how many values.
+
+    The backward of ``y = x W^T`` reads ``W`` again (``dx = dy W``). Without this, each unpacked float32
+    weight would live from its forward product to its backward one: all of them at once at the turn from
+    forward to backward (measured: a higher peak than the float32 base's). The pass clones, for each value
+    that gradient nodes read and that only parameters and constants make (the unpacking, a weight's
+    ``Transpose``), the nodes that make it, just before the first gradient node that reads it. The clone's
+    first op shifts by ``Div(packed, 16)`` instead of ``BitShift``, so that onnxruntime's
+    common-subexpression elimination does not merge it back into the forward one.
+    """
+    graph = model.graph
+    nodes = list(graph.node)
+    forward = _forward_nodes(nodes, [o.name for o in graph.output[:num_forward_outputs]])
+    producers = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    made_of_weights = set(parameters) | {t.name for t in graph.initializer}
+    for k, node in enumerate(nodes):  # in graph order: a node's inputs come before it
+        if k in forward and (all(i in made_of_weights for i in node.input if i) if node.input
+                             else node.op_type == "Constant"):
+            made_of_weights.update(o for o in node.output if o)
+    sixteen = f"{_C}16"
+    renamed: dict[str, str] = {}
+    before: dict[int, list[onnx.NodeProto]] = {}
+    for k, node in enumerate(nodes):
+        if k in forward:
+            continue
+        for j, name in enumerate(node.input):
+            if name not in made_of_weights or name not in producers:
+                continue
+            if name not in renamed:
+                chain, stack = set(), [name]
+                while stack:  # the nodes that make ``name``
+                    maker = producers.get(stack.pop())
+                    if maker is not None and maker not in chain:
+                        chain.add(maker)
+                        stack.extend(nodes[maker].input)
+                clones, rename = _clone_for_backward(nodes, sorted(chain), sixteen)
+                renamed[name] = rename[name]
+                before.setdefault(k, []).extend(clones)  # just before the first reader: still sorted
+            node.input[j] = renamed[name]
+    if renamed:
+        del graph.node[:]
+        graph.node.extend(n for k, node in enumerate(nodes) for n in (*before.get(k, []), node))
+        graph.initializer.append(numpy_helper.from_array(np.array(16, dtype=np.uint8), sixteen))
+    return len(renamed)
+
+__all__ = ["dequantize_blocks_int4", "quantize_base", "quantize_base_int8", "quantize_blocks_int4", "quantize_rows_int8",
+           "unpack_again_in_backward"]

@@ -28,6 +28,7 @@ from onnxtrain.capture import Captured
 from onnxtrain.ortmodule.options import MIN_STAGE_BYTES, backward_stages
 from onnxtrain.passes import Split, pipeline, split_forward_backward
 from onnxtrain.passes.defer_row_scatters import RowScatters, defer_row_scatters
+from onnxtrain.passes.precision import apply_precision
 from onnxtrain.passes.recompute import Plan as RecomputePlan
 from onnxtrain.passes.recompute import Recompute, dims_from_inputs
 from onnxtrain.passes.stage_graph import CannotStage, one_stage, stage_graph
@@ -148,8 +149,11 @@ class SchemaGraphs:
 
     def _session(self, proto: onnx.ModelProto) -> TorchSession:
         proto = strip_stop_gradients(proto)
+        precision = self.precision
+        if precision == "fp16":  # float16 products in the graph itself (passes.precision), run as it is
+            proto, precision = apply_precision(proto, "fp16"), "fp32"
         return TorchSession(proto, self.device, session_options(log_severity=self.log_severity), self.backend,
-                            self.precision)
+                            precision)
 
 
 def prepare(captured: Captured, state_names: list[str], device: torch.device, log_severity: int) -> SchemaGraphs:

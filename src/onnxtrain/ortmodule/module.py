@@ -12,8 +12,11 @@ dynamic and never cause a new export.
 
 Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` the float32 graphs run on OpenVINO with its bfloat16
 precision hint (onnxtrain.runtime.backends; without the ``openvino`` package or a CPU with bfloat16, a
-warning once and float32). Outputs are float32 where eager autocast's would be bfloat16. Other autocast
-states (float16 on CPU, any on CUDA) are not supported yet: a warning once, and the graphs run float32.
+warning once and float32). Outputs are float32 where eager autocast's would be bfloat16. Under
+``torch.autocast("cpu", dtype=torch.float16)`` the graphs' matmul-class products run in float16
+(onnxtrain.passes.precision) on onnxruntime; with ``torch.amp.GradScaler`` the scaled loss's gradient flows
+in and inf/NaN gradients reach the scaler. CUDA autocast is not supported yet: a warning once, and the graphs
+run float32.
 ``backend=`` (or the ``ONNXTRAIN_BACKEND`` env var) picks the engine: "onnxruntime" (default) or "openvino".
 """
 
@@ -346,10 +349,12 @@ def _backend_for(backend: str | None, device: torch.device) -> tuple[str, str]:
     dtype = torch.get_autocast_dtype(kind)
     if kind == "cpu" and dtype == torch.bfloat16:
         return backends.resolve(backend, "bf16", kind)
+    if kind == "cpu" and dtype == torch.float16:  # the precision pass, in the graphs (ortmodule.graphs)
+        return backends.resolve(backend, "fp32", kind)[0], "fp16"
     if (kind, dtype) not in _warned_autocast:
         _warned_autocast.add((kind, dtype))
         warnings.warn(f"ORTModule does not run torch.autocast({kind!r}, dtype={dtype}) yet: its graphs run in "
-                      "float32 (autocast bfloat16 on CPU is supported)", RuntimeWarning, stacklevel=4)
+                      "float32 (autocast bfloat16 and float16 on CPU are supported)", RuntimeWarning, stacklevel=4)
     return backends.resolve(backend, "fp32", kind)
 
 

@@ -91,10 +91,16 @@ def create_session(model, backend: str = "onnxruntime", precision: str = "fp32",
     (:func:`resolve`). ``session_options`` (an ``onnxruntime.SessionOptions``) also give OpenVINO its
     thread count; ``disabled_optimizers``: onnxruntime graph transformers not to run."""
     if backend == "openvino":
-        from onnxtrain.runtime.openvino import OpenVINOSession
+        from onnxtrain.runtime.openvino import OpenVINOReadError, OpenVINOSession
 
         threads = getattr(session_options, "intra_op_num_threads", 0) or None
-        return OpenVINOSession(model, precision=precision, threads=threads)
+        try:
+            return OpenVINOSession(model, precision=precision, threads=threads)
+        except OpenVINOReadError as exc:  # this graph only: the others keep running on OpenVINO
+            reason = _failed_ops(str(exc))
+            _warn_once(f"openvino-read:{reason}", f"OpenVINO cannot convert a graph ({reason}): that graph runs "
+                       "on onnxruntime in float32")
+            backend, precision = "onnxruntime", "fp32"
     if backend != "onnxruntime":
         raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
     if precision != "fp32":
@@ -106,6 +112,15 @@ def create_session(model, backend: str = "onnxruntime", precision: str = "fp32",
     extra = {"disabled_optimizers": list(disabled_optimizers)} if disabled_optimizers else {}
     return ort.InferenceSession(model, sess_options=session_options, providers=providers or ["CPUExecutionProvider"],
                                 **extra)
+
+
+def _failed_ops(message: str) -> str:
+    """The short reason in OpenVINO's conversion report: the ops it failed on and why, on one line."""
+    lines = [line.strip() for line in message.splitlines()]
+    failed = [line.removeprefix("-- Conversion is failed for:").strip() for line in lines
+              if line.startswith("-- Conversion is failed for:")]
+    why = next((line for line in lines if "needs to be known" in line or "is not supported" in line), "")
+    return "; ".join(filter(None, [", ".join(failed), why])) or (lines[-1] if lines else message)
 
 
 def _warn_once(key: str, message: str) -> None:

@@ -37,6 +37,10 @@ def core():
     return ov.Core()
 
 
+class OpenVINOReadError(ValueError):
+    """OpenVINO's ONNX front end cannot convert the model (an op or an input shape it does not support)."""
+
+
 class OpenVINOSession:
     """A compiled OpenVINO model with ``get_inputs``/``get_outputs``/``get_modelmeta``/``io_binding``/
     ``run_with_iobinding`` as onnxruntime's InferenceSession has them."""
@@ -49,7 +53,7 @@ class OpenVINOSession:
         try:
             self._model = core().read_model(model)
         except Exception as exc:
-            raise ValueError(f"OpenVINO cannot read the model: {exc}") from exc
+            raise OpenVINOReadError(f"OpenVINO cannot read the model: {exc}") from exc
         self._config = {"INFERENCE_PRECISION_HINT": _HINTS[precision], "PERFORMANCE_HINT": "LATENCY",
                         "NUM_STREAMS": 1}
         if threads:

@@ -332,12 +332,11 @@ def grad_gather_nd(g: GradContext):
 
 
 # -- scatters -------------------------------------------------------------------------------------
-def _scatter_reduction(g: GradContext) -> str:
+def _scatter_reduction(g: GradContext, also: tuple[str, ...] = ()) -> str:
     reduction = g.attr("reduction", "none")
     if reduction not in ("none", "add"):
-        raise NotImplementedError(
-            f"{_where(g)}: no gradient for reduction={reduction!r} (only 'none' and 'add')"
-        )
+        supported = ", ".join(repr(r) for r in ("none", "add", *also))
+        raise NotImplementedError(f"{_where(g)}: no gradient for reduction={reduction!r} (only {supported})")
     return reduction
 
 
@@ -356,8 +355,10 @@ def grad_scatter_nd(g: GradContext):
 
 @r("ScatterElements")
 def grad_scatter_elements(g: GradContext):
+    if g.attr("reduction", "none") in ("min", "max"):
+        return _grad_scatter_elements_extreme(g)
     indices, updates, dy = g.inputs[1], g.inputs[2], g.dy[0]
-    reduction = _scatter_reduction(g)
+    reduction = _scatter_reduction(g, also=("min", "max"))
     axis = g.attr("axis", 0)
     d_data = d_updates = None
     if g.needs[0]:
@@ -365,6 +366,27 @@ def grad_scatter_elements(g: GradContext):
             g.b.ScatterElements(dy, indices, g.zeros_like(updates), axis=axis)
     if g.needs[2]:
         d_updates = g.b.GatherElements(dy, indices, axis=axis)
+    return d_data, None, d_updates
+
+
+def _grad_scatter_elements_extreme(g: GradContext):
+    """``reduction="min"``/``"max"`` as PyTorch's ``scatter_reduce(amin/amax)`` backward: each output's gradient
+    is shared evenly by the entries (of ``data`` at that position, of ``updates`` scattered to it) equal to
+    it. ``include_self=False`` is exported as ``data`` first scattered with the reduction's identity where
+    ``updates`` land (so ``data`` takes nothing there); PyTorch still counts the original ``self`` among the
+    entries that share the gradient where it equals the result, and so does this rule."""
+    b, data, indices, updates, dy = g.b, g.inputs[0], g.inputs[1], g.inputs[2], g.dy[0]
+    axis, y = g.attr("axis", 0), g.output(0)
+    data_is = b.CastLike(b.Equal(data, y), data)
+    counted = data_is
+    source = data.producer()
+    if (source is not None and source.op_type == "ScatterElements" and source.inputs[1] is indices
+            and source.attributes.get_string("reduction", "none") == {"max": "min", "min": "max"}[g.attr("reduction")]):
+        counted = b.CastLike(b.Equal(source.inputs[0], y), data)  # the original self (include_self=False)
+    updates_is = b.CastLike(b.Equal(updates, b.GatherElements(y, indices, axis=axis)), updates)
+    share = b.Div(dy, b.ScatterElements(counted, indices, updates_is, axis=axis, reduction="add"))
+    d_data = b.Mul(data_is, share) if g.needs[0] else None
+    d_updates = b.Mul(updates_is, b.GatherElements(share, indices, axis=axis)) if g.needs[2] else None
     return d_data, None, d_updates
 
 
