@@ -56,6 +56,12 @@ export class Module {
     if (meta.kind !== 'training') {
       throw new OnnxtrainError(`this is the ${meta.kind} model; pass training_model.onnx as the training model`);
     }
+    if ((meta.format ?? 1) > TRAINING_MODEL_FORMAT || meta.loss_scaling !== undefined) {
+      throw new OnnxtrainError(`the training model has format ${meta.format}` +
+        (meta.loss_scaling !== undefined ? ' (fp16 artifacts with loss scaling)' : '') +
+        `; onnxtrain-web trains format ${TRAINING_MODEL_FORMAT} and below: generate the artifacts with ` +
+        "precision='fp32' or 'bf16'");
+    }
     if ((meta.format ?? 1) < TRAINING_MODEL_FORMAT) {
       console.warn('onnxtrain-web: the training model comes from an earlier onnxtrain; generate the artifacts again');
     }

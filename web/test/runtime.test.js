@@ -125,3 +125,15 @@ test('contiguous parameters out and in; gradient accumulation adds', async () =>
   await module.trainStep(batchFeeds(testCase, 0));
   assert.ok(relativeError(state.buffers.grads.get('float32'), once) < 1e-7);
 });
+
+test('a training model of a later format (fp16 with loss scaling) is refused, not trained wrongly', async () => {
+  // Same-length edit of the metadata JSON inside the protobuf: format 2 -> 3.
+  const bytes = file('mlp', 'training_model.onnx');
+  const text = Buffer.from(bytes).toString('latin1');
+  const at = text.indexOf('"format": 2');
+  assert.ok(at > 0);
+  const later = new Uint8Array(bytes);
+  later[at + '"format": '.length] = '3'.charCodeAt(0);
+  const state = CheckpointState.fromBytes(file('mlp', 'checkpoint'));
+  await assert.rejects(Module.create(later, state), (e) => e instanceof OnnxtrainError && /has format 3; onnxtrain-web trains format 2/.test(e.message));
+});
