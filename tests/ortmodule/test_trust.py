@@ -73,6 +73,35 @@ def test_a_data_dependent_branch_falls_back_and_trains_the_branch_each_batch_tak
     torch.testing.assert_close(model.module.fc.weight.grad, reference.fc.weight.grad)
 
 
+class SizeBranches(torch.nn.Module):
+    """A Python branch on the batch size: torch.export traces one branch and bounds the size (``[5, oo)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y * 2 if x.shape[0] > 4 else y * 3
+
+
+def test_a_branch_on_a_size_exports_a_graph_per_side_and_trains_each_batchs_branch():
+    torch.manual_seed(0)
+    reference = SizeBranches()
+    model = ORTModule(SizeBranches())
+    model.module.load_state_dict(reference.state_dict())
+    for rows in (8, 3, 6, 2):  # both sides of the branch, each side twice, after the other side's graph exists
+        x = torch.randn(rows, 3)
+        out, want = model(x), reference(x)
+        torch.testing.assert_close(out, want)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        torch.testing.assert_close(model.module.fc.weight.grad, reference.fc.weight.grad)
+        assert model.fallback_reason is None
+    captured = capture_export.capture(SizeBranches(), (torch.randn(8, 3),), {})
+    assert captured.dim_ranges[0][0] == (5, None)  # rows >= 5: the side the example took
+
+
 CALLS = {"count": 0}
 
 

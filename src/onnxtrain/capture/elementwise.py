@@ -4,7 +4,9 @@ Each is a ``Where`` over the same comparisons PyTorch's kernel and derivative fo
 forward values, NaN handling and which input a tie's gradient goes to all match:
 
 - ``fmax(a, b)`` is ``a`` where ``a >= b`` or ``b`` is NaN, else ``b`` (a NaN loses to a number; two NaNs give
-  NaN); the gradient goes to the input picked, ties to ``a`` (PyTorch's ``fmax`` formula). ``fmin`` with ``<=``.
+  NaN); the gradient goes to the input picked. A tie's gradient goes to ``a`` in torch 2.13 and is split
+  half and half from torch 2.15 on: the share is read once from the running torch (:func:`_tie_share`) and a
+  tie computes ``s * a + (1 - s) * b`` (equal to both) so each input gets its share. ``fmin`` with ``<=``.
 - ``copysign(a, b)`` is ``|a|`` or ``-|a|`` by the sign bit of ``b``, ``-0.0`` included (``1 / b < 0``); ``b``
   gets a zero gradient, ``a`` gets ``sign(a)`` times the sign chosen (0 at ``a = 0``), as in PyTorch. A NaN
   ``b`` counts as positive (ONNX cannot read a NaN's sign bit; PyTorch can).
@@ -14,7 +16,10 @@ forward values, NaN handling and which input a tie's gradient goes to all match:
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+import torch
 import onnx_ir as ir
 from onnxscript import opset18 as op
 
@@ -23,14 +28,33 @@ def _scalar(value: float, like):
     return op.CastLike(op.Constant(value=ir.tensor(np.array(value, dtype=np.float32))), like)
 
 
+@functools.cache
+def _tie_share(name: str) -> float:
+    """The share of a tie's gradient that this torch's ``fmax``/``fmin`` gives its first input (1.0 in torch
+    2.13, 0.5 in 2.15): read from eager, so the graph's gradient is the one eager computes."""
+    a, b = torch.ones(1, requires_grad=True), torch.ones(1, requires_grad=True)
+    getattr(torch, name)(a, b).backward()
+    return float(a.grad)
+
+
+def _pick(self, other, first_wins, name: str):
+    """``self`` where ``first_wins`` or ``other`` is NaN, else ``other``; ties shared as eager shares them."""
+    share = _tie_share(name)
+    if share == 1.0:
+        return op.Where(op.Or(first_wins(self, other), op.IsNaN(other)), self, other)
+    strict = op.Or(op.Not(op.Or(op.Equal(self, other), op.Not(first_wins(self, other)))), op.IsNaN(other))
+    tie = op.Add(op.Mul(self, _scalar(share, self)), op.Mul(other, _scalar(1.0 - share, other)))
+    return op.Where(strict, self, op.Where(op.Equal(self, other), tie, other))
+
+
 def fmax(self, other):
     """``fmax(Tensor self, Tensor other)``"""
-    return op.Where(op.Or(op.GreaterOrEqual(self, other), op.IsNaN(other)), self, other)
+    return _pick(self, other, op.GreaterOrEqual, "fmax")
 
 
 def fmin(self, other):
     """``fmin(Tensor self, Tensor other)``"""
-    return op.Where(op.Or(op.LessOrEqual(self, other), op.IsNaN(other)), self, other)
+    return _pick(self, other, op.LessOrEqual, "fmin")
 
 
 def copysign(self, other):

@@ -85,6 +85,9 @@ class Captured:
     mutated_buffers: list[str]  # buffer names whose new values are the remaining graph outputs
     exporter: str  # "dynamo" or "torchscript"
     static_dims: list[dict[int, int]] = field(default_factory=list)  # per input: axis -> fixed size
+    # per input: axis -> (lowest, highest or None) size the graph was traced for (torch.export's range
+    # constraints: a Python branch on a size, e.g. ``if x.shape[0] > 4``, bounds it); other sizes re-export
+    dim_ranges: list[dict[int, tuple[int, int | None]]] = field(default_factory=list)
 
 
 def dynamic_axes(tensor: torch.Tensor) -> list[int]:
@@ -175,7 +178,47 @@ def _export_dynamo_with(wrapper: FlatModule, flat: list[torch.Tensor], verbose: 
     if not hooked["stop_gradients"]:
         raise ExportError(f"torch {torch.__version__}'s ONNX exporter never called the hook where onnxtrain marks "
                           "detach() and no_grad blocks: gradients would flow through them")
-    return program.model
+    model = program.model
+    model.meta[_DIM_RANGES] = _dim_ranges(program, len(flat))
+    return model
+
+
+_DIM_RANGES = "onnxtrain.dim_ranges"
+
+
+def _dim_ranges(program, count: int) -> list[dict[int, tuple[int, int | None]]]:
+    """Per input tensor, the sizes each symbolic axis may take in this graph: torch.export's range
+    constraints. A Python branch on a size (``if x.shape[0] > 4``) is traced once and becomes a bound
+    (``[5, oo)``); a graph must never run on a size outside it, where the forward takes the other branch."""
+    try:
+        exported = program.exported_program
+        constraints = exported.range_constraints
+        placeholders = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
+        names = list(exported.graph_signature.user_inputs)
+    except AttributeError as exc:  # a torch whose ONNXProgram/ExportedProgram lacks these: refuse, never guess
+        raise ExportError(f"torch {torch.__version__}'s exported program does not expose its range constraints "
+                          f"({exc}): onnxtrain cannot tell which input sizes its graph is valid for") from None
+    if len(names) != count:
+        raise ExportError(f"the exported program has {len(names)} user inputs for {count} input tensors")
+    ranges = []
+    for name in names:
+        value = placeholders[name].meta.get("val")
+        axes = {}
+        for axis, size in enumerate(getattr(value, "shape", ())):
+            bound = constraints.get(size.node.expr) if isinstance(size, torch.SymInt) else None
+            if bound is not None:
+                axes[axis] = (int(bound.lower), _finite(bound.upper))
+        ranges.append(axes)
+    return ranges
+
+
+def _finite(value) -> int | None:
+    """A range's upper bound as an int, or None where it is unbounded (sympy's oo / torch's int_oo)."""
+    try:
+        number = int(value)
+    except Exception:  # noqa: BLE001 - int(int_oo) raises AttributeError ('Infinity' has no _mpf_)
+        return None
+    return number if number < 2**62 else None
 
 
 def _export_torchscript(wrapper: FlatModule, flat: list[torch.Tensor], verbose: bool) -> ir.Model:
@@ -381,7 +424,13 @@ def _finish(model: ir.Model, wrapper: FlatModule, output_spec: Spec, flat: list[
         {axis: dim for axis, dim in enumerate(value.shape or []) if isinstance(dim, int)}
         for value in graph.inputs
     ]
-    return Captured(model, output_spec, num_outputs, mutated, exporter, static)
+    ranges = model.meta.get(_DIM_RANGES) or [{} for _ in flat]
+    for fixed, bounds in zip(static, ranges):
+        for axis, (lower, upper) in list(bounds.items()):
+            if lower == upper:  # torch.export pinned the axis although the ONNX input left it symbolic
+                fixed.setdefault(axis, lower)
+                del bounds[axis]
+    return Captured(model, output_spec, num_outputs, mutated, exporter, static, ranges)
 
 
 def _describe(spec: Spec) -> str:

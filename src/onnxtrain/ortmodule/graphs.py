@@ -136,10 +136,15 @@ class SchemaGraphs:
         return self.captured.mutated_buffers
 
     def matches(self, tensors: list[torch.Tensor]) -> bool:
-        """Whether the graph's fixed axes (the ones the exporter specialized) fit these inputs."""
+        """Whether the graph's fixed axes (the ones the exporter specialized) and the size ranges it was traced
+        for (torch.export's range constraints) fit these inputs."""
         for tensor, fixed in zip(tensors, self.captured.static_dims):
             if any(axis >= tensor.dim() or tensor.shape[axis] != size for axis, size in fixed.items()):
                 return False
+        for tensor, bounds in zip(tensors, self.captured.dim_ranges):  # sizes the graph was traced for
+            for axis, (lower, upper) in bounds.items():
+                if axis >= tensor.dim() or tensor.shape[axis] < lower or (upper is not None and tensor.shape[axis] > upper):
+                    return False
         return True
 
     def inference_session(self) -> TorchSession:
