@@ -206,8 +206,11 @@ def _dim_ranges(program, count: int) -> list[dict[int, tuple[int, int | None]]]:
         axes = {}
         for axis, size in enumerate(getattr(value, "shape", ())):
             bound = constraints.get(size.node.expr) if isinstance(size, torch.SymInt) else None
-            if bound is not None:
-                axes[axis] = (int(bound.lower), _finite(bound.upper))
+            if bound is None:
+                continue
+            lower, upper = int(bound.lower), _finite(bound.upper)
+            if lower > 0 or upper is not None:  # [0, oo) bounds nothing: kept off the per-forward check
+                axes[axis] = (lower, upper)
         ranges.append(axes)
     return ranges
 
