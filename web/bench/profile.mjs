@@ -8,7 +8,7 @@ import { join } from 'node:path';
 import { parseArgs } from 'node:util';
 import * as ort from 'onnxruntime-web';
 import { CheckpointState, Module, Optimizer } from '../lib/index.js';
-import { random } from './step_time.js';
+import { benchFeeds } from './step_time.js';
 
 const { values, positionals } = parseArgs({
   allowPositionals: true,
@@ -22,14 +22,7 @@ const spec = JSON.parse(readFileSync(join(folder, 'bench.json'), 'utf8'));
 const state = CheckpointState.fromBytes(load('checkpoint'));
 const module = await Module.create(load('training_model.onnx'), state, null, options);
 const optimizer = await Optimizer.create(load('optimizer_model.onnx'), module, options);
-const rand = random(1);
-const feeds = {};
-for (const { name, dtype, shape, high } of spec.inputs) {
-  const n = shape.reduce((a, b) => a * b, 1);
-  feeds[name] = dtype === 'int64'
-    ? new ort.Tensor('int64', BigInt64Array.from({ length: n }, () => BigInt(Math.floor(rand() * high))), shape)
-    : new ort.Tensor('float32', Float32Array.from({ length: n }, () => rand() * 2 - 1), shape);
-}
+const feeds = benchFeeds(spec);
 const times = { train: [], optimizer: [] };
 for (let i = 0; i < Number(values.steps); i++) {
   let t0 = performance.now();

@@ -15,12 +15,8 @@ export function random(seed) {
   };
 }
 
-/** `load(file)` returns a file of the bench folder as a Uint8Array; `options` go to Module.create. */
-export async function stepTime(load, options = {}) {
-  const spec = JSON.parse(new TextDecoder().decode(await load('bench.json')));
-  const state = CheckpointState.fromBytes(await load('checkpoint'));
-  const module = await Module.create(await load('training_model.onnx'), state, null, options);
-  const optimizer = await Optimizer.create(await load('optimizer_model.onnx'), module);
+/** The bench's batch for `bench.json`'s inputs: seeded, the same in the page, in Node and in profile.mjs. */
+export function benchFeeds(spec) {
   const rand = random(1);
   const feeds = {};
   for (const { name, dtype, shape, high } of spec.inputs) {
@@ -29,6 +25,16 @@ export async function stepTime(load, options = {}) {
       ? new ort.Tensor('int64', BigInt64Array.from({ length: n }, () => BigInt(Math.floor(rand() * high))), shape)
       : new ort.Tensor('float32', Float32Array.from({ length: n }, () => rand() * 2 - 1), shape);
   }
+  return feeds;
+}
+
+/** `load(file)` returns a file of the bench folder as a Uint8Array; `options` go to Module.create. */
+export async function stepTime(load, options = {}) {
+  const spec = JSON.parse(new TextDecoder().decode(await load('bench.json')));
+  const state = CheckpointState.fromBytes(await load('checkpoint'));
+  const module = await Module.create(await load('training_model.onnx'), state, null, options);
+  const optimizer = await Optimizer.create(await load('optimizer_model.onnx'), module);
+  const feeds = benchFeeds(spec);
   const times = [];
   for (let i = 0; i < spec.warmup + spec.steps; i++) {
     const t0 = performance.now();
