@@ -384,3 +384,47 @@ def test_merge_into_a_layer_exported_as_gemm(quantized):
         feeds = merged
     y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x, **feeds})[0]
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dequantize_where_read_computes_the_same_with_one_copy_per_reader():
+    """The int8 scheduling pass (``lora_quant.dequantize_where_read``): onnxruntime gives the same forward and
+    gradient outputs before and after it; afterwards the gradient node reads a dequantized copy of its
+    own, every node made of weights alone comes first, and the dequantized shapes are left unknown."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from onnxtrain.ondevice.lora_quant import dequantize_where_read
+
+    rng = np.random.default_rng(0)
+    q, scale = quantize_rows_int8(rng.normal(size=(6, 5)).astype(np.float32))
+    nodes = [helper.make_node("DequantizeLinear", ["W.int8", "W.scale"], ["W"], axis=0, name="dequantize/W"),
+             helper.make_node("Relu", ["x"], ["h"]),
+             helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "Wt"], ["y"]),          # forward: y = relu(x) W^T
+             helper.make_node("Transpose", ["Wt"], ["W_again"], perm=[1, 0]),
+             helper.make_node("MatMul", ["dy", "W_again"], ["dh"])]   # a gradient node: dh = dy W
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5]),
+                     helper.make_tensor_value_info("dy", TensorProto.FLOAT, [3, 6]),
+                     helper.make_tensor_value_info("W.int8", TensorProto.INT8, [6, 5]),
+                     helper.make_tensor_value_info("W.scale", TensorProto.FLOAT, [6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 6]), helper.make_tensor_value_info("dh", TensorProto.FLOAT, [3, 5])],
+        value_info=[helper.make_tensor_value_info("W", TensorProto.FLOAT, [6, 5]),
+                    helper.make_tensor_value_info("Wt", TensorProto.FLOAT, [5, 6])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    feeds = {"x": rng.normal(size=(3, 5)).astype(np.float32), "dy": rng.normal(size=(3, 6)).astype(np.float32),
+             "W.int8": q, "W.scale": scale}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)  # noqa: E731
+    before = run(model)
+    assert dequantize_where_read(model, 1, ["W.int8", "W.scale"]) == 1
+    after = run(model)
+    for a, b in zip(after, before):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    w = q.astype(np.float32) * scale[:, None]
+    np.testing.assert_allclose(after[1], feeds["dy"] @ w, rtol=1e-5)  # and numpy's dh = dy W
+    ops = [n.op_type for n in model.graph.node]
+    assert ops[:4] == ["DequantizeLinear", "Transpose", "DequantizeLinear", "Transpose"]  # weights first
+    readers = [n for n in model.graph.node if n.op_type == "MatMul"]
+    assert len({n.input[1] for n in readers}) == 2  # the gradient node reads its own copy
+    assert not model.graph.value_info
+    assert not any(d.HasField("dim_value") for d in model.graph.input[2].type.tensor_type.shape.dim)
