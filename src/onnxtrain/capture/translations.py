@@ -19,6 +19,7 @@
 - ``aten._safe_softmax``: no NaN gradient from rows of only ``-inf`` (:mod:`.softmax`).
 - ``aten.scatter_reduce.two`` with ``reduce="mean"``: the mean, not a plain scatter (:mod:`.scatter_reduce`).
 - ``aten.index_reduce``: ``scatter_reduce`` of the index broadcast along ``dim`` (:mod:`.index_reduce`).
+- ``aten.cumprod``, ``aten.cummax``, ``aten.cummin``: each prefix reduced over a masked new axis (:mod:`.scans`).
 - ``aten.atleast_1d/2d/3d.Sequence`` (``hstack``, ``vstack``, ``dstack``, ``column_stack``): one reshape per
   tensor, not an ONNX sequence that no gradient rule differentiates (:mod:`.sequences`).
 - ``aten.divide.Tensor`` / ``aten.true_divide.Tensor`` of a float and an integer tensor: the integer one cast
@@ -45,6 +46,7 @@ from onnxtrain.capture.index_reduce import index_reduce
 from onnxtrain.capture.padding import pad
 from onnxtrain.capture.pooling import avg_pool2d, avg_pool3d
 from onnxtrain.capture.refuse import special_erfcx, special_log_ndtr
+from onnxtrain.capture.scans import cummax, cummin, cumprod
 from onnxtrain.capture.scatter_reduce import scatter_reduce
 from onnxtrain.capture.sequences import atleast_1d_sequence, atleast_2d_sequence, atleast_3d_sequence
 from onnxtrain.capture.softmax import safe_softmax
@@ -112,6 +114,9 @@ TRANSLATIONS = {
     torch.ops.aten.avg_pool3d.default: avg_pool3d,
     torch.ops.aten.scatter_reduce.two: scatter_reduce,
     torch.ops.aten.index_reduce.default: index_reduce,
+    torch.ops.aten.cumprod.default: cumprod,
+    torch.ops.aten.cummax.default: cummax,
+    torch.ops.aten.cummin.default: cummin,
     torch.ops.aten.pad.default: pad,
     torch.ops.aten.fmax.default: fmax,
     torch.ops.aten.fmin.default: fmin,
