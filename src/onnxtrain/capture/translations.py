@@ -16,6 +16,8 @@
   inputs included (:mod:`.adaptive_pool`).
 - ``aten.fmax``, ``aten.fmin``, ``aten.copysign``, ``aten.hypot``: ``Where`` over PyTorch's comparisons (the
   exporter lowers them to prims it cannot translate; :mod:`.elementwise`).
+- ``aten.grid_sampler(_2d/_3d)`` (``grid_sample``), bilinear and nearest: gathers of the input's corners, weighted,
+  so input and grid get gradients (the exporter's ``GridSample`` has no gradient rule; :mod:`.grid_sample`).
 - ``aten._safe_softmax``: no NaN gradient from rows of only ``-inf`` (:mod:`.softmax`).
 - ``aten.scatter_reduce.two`` with ``reduce="mean"``: the mean, not a plain scatter (:mod:`.scatter_reduce`).
 - ``aten.atleast_1d/2d/3d.Sequence`` (``hstack``, ``vstack``, ``dstack``, ``column_stack``): one reshape per
@@ -40,6 +42,7 @@ from onnxtrain.capture.attention import scaled_dot_product_attention
 from onnxtrain.capture.batchnorm import batch_norm_functional, native_batch_norm
 from onnxtrain.capture.divide import divide
 from onnxtrain.capture.elementwise import copysign, fmax, fmin, hypot
+from onnxtrain.capture.grid_sample import grid_sampler, grid_sampler_2d, grid_sampler_3d
 from onnxtrain.capture.padding import pad
 from onnxtrain.capture.pooling import avg_pool2d, avg_pool3d
 from onnxtrain.capture.refuse import special_erfcx, special_log_ndtr
@@ -114,6 +117,9 @@ TRANSLATIONS = {
     torch.ops.aten.fmin.default: fmin,
     torch.ops.aten.copysign.Tensor: copysign,
     torch.ops.aten.hypot.default: hypot,
+    torch.ops.aten.grid_sampler.default: grid_sampler,
+    torch.ops.aten.grid_sampler_2d.default: grid_sampler_2d,
+    torch.ops.aten.grid_sampler_3d.default: grid_sampler_3d,
     torch.ops.aten.adaptive_max_pool2d.default: adaptive_max_pool2d,
     torch.ops.aten._adaptive_avg_pool3d.default: adaptive_avg_pool3d,
     torch.ops.aten.atleast_1d.Sequence: atleast_1d_sequence,
