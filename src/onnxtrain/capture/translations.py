@@ -16,6 +16,8 @@
   inputs included (:mod:`.adaptive_pool`).
 - ``aten.fmax``, ``aten.fmin``, ``aten.copysign``, ``aten.hypot``: ``Where`` over PyTorch's comparisons (the
   exporter lowers them to prims it cannot translate; :mod:`.elementwise`).
+- ``aten.lgamma``, ``aten.digamma``, ``aten.polygamma``, ``aten.mvlgamma``: recurrence, asymptotic series and
+  reflection in ordinary ops, so their gradients are the family's next function (:mod:`.gamma`).
 - ``aten.grid_sampler(_2d/_3d)`` (``grid_sample``), bilinear and nearest: gathers of the input's corners, weighted,
   so input and grid get gradients (the exporter's ``GridSample`` has no gradient rule; :mod:`.grid_sample`).
 - ``aten._safe_softmax``: no NaN gradient from rows of only ``-inf`` (:mod:`.softmax`).
@@ -42,6 +44,7 @@ from onnxtrain.capture.attention import scaled_dot_product_attention
 from onnxtrain.capture.batchnorm import batch_norm_functional, native_batch_norm
 from onnxtrain.capture.divide import divide
 from onnxtrain.capture.elementwise import copysign, fmax, fmin, hypot
+from onnxtrain.capture.gamma import digamma, lgamma, mvlgamma, polygamma
 from onnxtrain.capture.grid_sample import grid_sampler, grid_sampler_2d, grid_sampler_3d
 from onnxtrain.capture.padding import pad
 from onnxtrain.capture.pooling import avg_pool2d, avg_pool3d
@@ -117,6 +120,10 @@ TRANSLATIONS = {
     torch.ops.aten.fmin.default: fmin,
     torch.ops.aten.copysign.Tensor: copysign,
     torch.ops.aten.hypot.default: hypot,
+    torch.ops.aten.lgamma.default: lgamma,
+    torch.ops.aten.digamma.default: digamma,
+    torch.ops.aten.polygamma.default: polygamma,
+    torch.ops.aten.mvlgamma.default: mvlgamma,
     torch.ops.aten.grid_sampler.default: grid_sampler,
     torch.ops.aten.grid_sampler_2d.default: grid_sampler_2d,
     torch.ops.aten.grid_sampler_3d.default: grid_sampler_3d,
