@@ -22,6 +22,9 @@
   so input and grid get gradients (the exporter's ``GridSample`` has no gradient rule; :mod:`.grid_sample`).
 - ``aten._safe_softmax``: no NaN gradient from rows of only ``-inf`` (:mod:`.softmax`).
 - ``aten.scatter_reduce.two`` with ``reduce="mean"``: the mean, not a plain scatter (:mod:`.scatter_reduce`).
+- ``aten.index_reduce``: ``scatter_reduce`` of the index broadcast along ``dim`` (:mod:`.index_reduce`).
+- ``aten.cumprod``, ``aten.cummax``, ``aten.cummin``: each prefix reduced over a masked new axis (:mod:`.scans`).
+- ``aten.median``, ``aten.nanmedian``, ``aten.kthvalue``: an index of the sorted axis (:mod:`.order_stats`).
 - ``aten.atleast_1d/2d/3d.Sequence`` (``hstack``, ``vstack``, ``dstack``, ``column_stack``): one reshape per
   tensor, not an ONNX sequence that no gradient rule differentiates (:mod:`.sequences`).
 - ``aten.divide.Tensor`` / ``aten.true_divide.Tensor`` of a float and an integer tensor: the integer one cast
@@ -46,9 +49,12 @@ from onnxtrain.capture.divide import divide
 from onnxtrain.capture.elementwise import copysign, fmax, fmin, hypot
 from onnxtrain.capture.gamma import digamma, lgamma, mvlgamma, polygamma
 from onnxtrain.capture.grid_sample import grid_sampler, grid_sampler_2d, grid_sampler_3d
+from onnxtrain.capture.index_reduce import index_reduce
+from onnxtrain.capture.order_stats import kthvalue, median, median_dim, nanmedian, nanmedian_dim
 from onnxtrain.capture.padding import pad
 from onnxtrain.capture.pooling import avg_pool2d, avg_pool3d
 from onnxtrain.capture.refuse import special_erfcx, special_log_ndtr
+from onnxtrain.capture.scans import cummax, cummin, cumprod
 from onnxtrain.capture.scatter_reduce import scatter_reduce
 from onnxtrain.capture.sequences import atleast_1d_sequence, atleast_2d_sequence, atleast_3d_sequence
 from onnxtrain.capture.softmax import safe_softmax
@@ -115,6 +121,15 @@ TRANSLATIONS = {
     torch.ops.aten.avg_pool2d.default: avg_pool2d,
     torch.ops.aten.avg_pool3d.default: avg_pool3d,
     torch.ops.aten.scatter_reduce.two: scatter_reduce,
+    torch.ops.aten.index_reduce.default: index_reduce,
+    torch.ops.aten.cumprod.default: cumprod,
+    torch.ops.aten.cummax.default: cummax,
+    torch.ops.aten.cummin.default: cummin,
+    torch.ops.aten.median.default: median,
+    torch.ops.aten.median.dim: median_dim,
+    torch.ops.aten.nanmedian.default: nanmedian,
+    torch.ops.aten.nanmedian.dim: nanmedian_dim,
+    torch.ops.aten.kthvalue.default: kthvalue,
     torch.ops.aten.pad.default: pad,
     torch.ops.aten.fmax.default: fmax,
     torch.ops.aten.fmin.default: fmin,

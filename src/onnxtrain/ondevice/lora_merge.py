@@ -4,7 +4,8 @@ A LoRA layer as PEFT exports it (``torch.onnx.export(..., optimize=False)``) com
 
     y = x W^T + s * (x A^T) B^T            (W [out, in], A [r, in], B [out, r], s = alpha / r)
 
-as ``Add(MatMul(x, Transpose(W)) [+ bias], Mul(MatMul(MatMul(x, Transpose(A)), Transpose(B)), s))``.
+as ``Add(MatMul(x, Transpose(W)) [+ bias], Mul(MatMul(MatMul(x, Transpose(A)), Transpose(B)), s))``; the
+base product may also be ``Gemm(x, W, bias, transB=1)`` (a 2-D input).
 Merging sets ``W' = W + s B A`` and replaces the ``Add`` by the base product alone, so the exported graph
 has one product per layer and no adapters. With an int8 base (``W = DequantizeLinear(W.int8, W.scale)``)
 the merged ``W'`` is stored as float32 (it is no longer on the int8 grid); the other matrices stay int8.
@@ -81,10 +82,27 @@ def _branch(g: _Graph, a_name: str, b_name: str):
     base = g.producer.get(add.input[base_index])
     if base is not None and base.op_type == "Add":  # a bias after the product
         base = next((g.producer[i] for i in base.input if i in g.producer and g.producer[i].op_type == "MatMul"), None)
-    t_w = base is not None and base.op_type == "MatMul" and g.transposed_by(base.input[1])
-    if not t_w or base.input[0] != x:
-        return "the base layer is not MatMul(x, Transpose(W)) of the adapters' input x"
-    return add, base_index, t_w.input[0], scaling
+    w_name = base is not None and base.input[0] == x and _base_weight(g, base)
+    if not w_name:
+        return "the base layer is not MatMul(x, Transpose(W)) or Gemm(x, W, transB=1) of the adapters' input x"
+    return add, base_index, w_name, scaling
+
+
+def _base_weight(g: _Graph, base: onnx.NodeProto) -> str | None:
+    """``W`` of a base product ``x W^T``: ``MatMul(x, Transpose(W))``, or ``Gemm(x, W)`` with ``transB=1``
+    (``Gemm(x, Transpose(W))`` with ``transB=0``), ``alpha=1`` and ``transA=0``; else None."""
+    if base.op_type == "MatMul":
+        t_w = g.transposed_by(base.input[1])
+        return t_w.input[0] if t_w else None
+    if base.op_type != "Gemm":
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in base.attribute}
+    if attrs.get("alpha", 1.0) != 1.0 or attrs.get("transA", 0):
+        return None
+    if attrs.get("transB", 0):
+        return base.input[1]
+    t_w = g.transposed_by(base.input[1])
+    return t_w.input[0] if t_w else None
 
 
 def merge_adapters(model: onnx.ModelProto, parameters: Mapping[str, np.ndarray],
