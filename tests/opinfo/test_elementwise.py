@@ -72,3 +72,14 @@ class _Fn(torch.nn.Module):
 
     def forward(self, x):
         return self.fn(x)
+
+
+def test_hypot_gradient_at_zero_is_nan_as_in_pytorch():
+    """PyTorch's gradient ``a / hypot(a, b)`` is 0 / 0 = NaN at a = b = 0 (it was 0 here); tiny values,
+    whose squares underflow, keep finite gradients."""
+    a = torch.tensor([[0.0, -0.0, 1e-30, 0.0, 3.0], [0.0, 2e-25, -1e-30, 0.0, 0.0]])
+    b = torch.tensor([0.0, 0.0, 1e-30, 1e-31, 4.0])
+    x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
+    torch.hypot(x, y).sum().backward()
+    assert x.grad.isnan().any() and not x.grad[:, 2:].isnan().any()  # the premise: eager's NaNs and not
+    assert_matches_eager(lambda s, t: torch.hypot(s, t), [a, b], atol=1e-5, rtol=1e-5)
