@@ -428,3 +428,33 @@ def test_dequantize_where_read_computes_the_same_with_one_copy_per_reader():
     assert len({n.input[1] for n in readers}) == 2  # the gradient node reads its own copy
     assert not model.graph.value_info
     assert not any(d.HasField("dim_value") for d in model.graph.input[2].type.tensor_type.shape.dim)
+
+
+def test_embedding_adapters_merge_as_peft_merges_them(tmp_path):
+    """PEFT's adapters on the embedding table (``lora_embedding_A/B``) train with the others and merge into
+    the table: the merged export has no adapters left and computes PEFT's ``merge_and_unload()`` loss."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"], lora_dropout=0.0)
+    model = WithLoss(peft.get_peft_model(LlamaForCausalLM(config), lora)).eval()
+    ids, labels = (torch.from_numpy(a) for a in _batches(1)[0])
+    torch.onnx.export(copy.deepcopy(model), (ids, labels), dynamo=True, input_names=["input_ids", "labels"],
+                      output_names=["loss"], optimize=False, verbose=False,
+                      dynamic_shapes=({0: "batch", 1: "seq"}, {0: "batch", 1: "seq"})).save(str(tmp_path / "emb.onnx"))
+    generate_lora_artifacts(tmp_path / "emb.onnx", loss=None, optimizer="adamw", artifact_directory=tmp_path / "a")
+    state, module, _ = _train(tmp_path / "a")
+    table_adapter = "model.base_model.model.model.embed_tokens.lora_embedding_A.default"
+    assert state.parameters[table_adapter].requires_grad
+    module.export_model_for_inferencing(tmp_path / "merged.onnx", ["loss"], merge_adapters=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(torch.from_numpy(state.parameters[name].data))
+        x, y = _batches(1, seed=1)[0]
+        merged_ref = WithLoss(model.model.merge_and_unload())(torch.from_numpy(x), torch.from_numpy(y)).item()
+    merged = onnx.load(tmp_path / "merged.onnx")
+    assert not [t.name for t in merged.graph.initializer if "lora_" in t.name]
+    assert _run_loss(tmp_path / "merged.onnx", x, y) == pytest.approx(merged_ref, rel=1e-5)
