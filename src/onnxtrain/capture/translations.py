@@ -25,6 +25,7 @@
 - ``aten.index_reduce``: ``scatter_reduce`` of the index broadcast along ``dim`` (:mod:`.index_reduce`).
 - ``aten.cumprod``, ``aten.cummax``, ``aten.cummin``: each prefix reduced over a masked new axis (:mod:`.scans`).
 - ``aten.median``, ``aten.nanmedian``, ``aten.kthvalue``: an index of the sorted axis (:mod:`.order_stats`).
+- ``aten.put``: a ``ScatterElements`` over the flattened tensor (:mod:`.put`).
 - ``aten.atleast_1d/2d/3d.Sequence`` (``hstack``, ``vstack``, ``dstack``, ``column_stack``): one reshape per
   tensor, not an ONNX sequence that no gradient rule differentiates (:mod:`.sequences`).
 - ``aten.divide.Tensor`` / ``aten.true_divide.Tensor`` of a float and an integer tensor: the integer one cast
@@ -53,6 +54,7 @@ from onnxtrain.capture.index_reduce import index_reduce
 from onnxtrain.capture.order_stats import kthvalue, median, median_dim, nanmedian, nanmedian_dim
 from onnxtrain.capture.padding import pad
 from onnxtrain.capture.pooling import avg_pool2d, avg_pool3d
+from onnxtrain.capture.put import put
 from onnxtrain.capture.refuse import special_erfcx, special_log_ndtr
 from onnxtrain.capture.scans import cummax, cummin, cumprod
 from onnxtrain.capture.scatter_reduce import scatter_reduce
@@ -130,6 +132,7 @@ TRANSLATIONS = {
     torch.ops.aten.nanmedian.default: nanmedian,
     torch.ops.aten.nanmedian.dim: nanmedian_dim,
     torch.ops.aten.kthvalue.default: kthvalue,
+    torch.ops.aten.put.default: put,
     torch.ops.aten.pad.default: pad,
     torch.ops.aten.fmax.default: fmax,
     torch.ops.aten.fmin.default: fmin,
