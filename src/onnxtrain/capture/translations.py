@@ -16,6 +16,10 @@
   inputs included (:mod:`.adaptive_pool`).
 - ``aten.fmax``, ``aten.fmin``, ``aten.copysign``, ``aten.hypot``: ``Where`` over PyTorch's comparisons (the
   exporter lowers them to prims it cannot translate; :mod:`.elementwise`).
+- ``aten.lgamma``, ``aten.digamma``, ``aten.polygamma``, ``aten.mvlgamma``: recurrence, asymptotic series and
+  reflection in ordinary ops, so their gradients are the family's next function (:mod:`.gamma`).
+- ``aten.grid_sampler(_2d/_3d)`` (``grid_sample``), bilinear and nearest: gathers of the input's corners, weighted,
+  so input and grid get gradients (the exporter's ``GridSample`` has no gradient rule; :mod:`.grid_sample`).
 - ``aten._safe_softmax``: no NaN gradient from rows of only ``-inf`` (:mod:`.softmax`).
 - ``aten.scatter_reduce.two`` with ``reduce="mean"``: the mean, not a plain scatter (:mod:`.scatter_reduce`).
 - ``aten.index_reduce``: ``scatter_reduce`` of the index broadcast along ``dim`` (:mod:`.index_reduce`).
@@ -46,6 +50,8 @@ from onnxtrain.capture.batchnorm import batch_norm_functional, native_batch_norm
 from onnxtrain.capture.diagonal_scatter import diagonal_scatter
 from onnxtrain.capture.divide import divide
 from onnxtrain.capture.elementwise import copysign, fmax, fmin, hypot
+from onnxtrain.capture.gamma import digamma, lgamma, mvlgamma, polygamma
+from onnxtrain.capture.grid_sample import grid_sampler, grid_sampler_2d, grid_sampler_3d
 from onnxtrain.capture.index_reduce import index_reduce
 from onnxtrain.capture.order_stats import kthvalue, median, median_dim, nanmedian, nanmedian_dim
 from onnxtrain.capture.padding import pad
@@ -135,6 +141,13 @@ TRANSLATIONS = {
     torch.ops.aten.fmin.default: fmin,
     torch.ops.aten.copysign.Tensor: copysign,
     torch.ops.aten.hypot.default: hypot,
+    torch.ops.aten.lgamma.default: lgamma,
+    torch.ops.aten.digamma.default: digamma,
+    torch.ops.aten.polygamma.default: polygamma,
+    torch.ops.aten.mvlgamma.default: mvlgamma,
+    torch.ops.aten.grid_sampler.default: grid_sampler,
+    torch.ops.aten.grid_sampler_2d.default: grid_sampler_2d,
+    torch.ops.aten.grid_sampler_3d.default: grid_sampler_3d,
     torch.ops.aten.adaptive_max_pool2d.default: adaptive_max_pool2d,
     torch.ops.aten._adaptive_avg_pool3d.default: adaptive_avg_pool3d,
     torch.ops.aten.atleast_1d.Sequence: atleast_1d_sequence,
