@@ -15,7 +15,8 @@ and the process high-water mark belong to that budget alone; rounds alternate th
 A worker runs a warm-up step, then ``--steps`` timed steps with torch's AdamW. Reported per budget, as
 medians over the rounds: the step time, the RSS between steps, the peak RSS during the last step
 (``VmHWM`` reset through ``/proc/self/clear_refs`` before it), activation memory = that peak minus the
-RSS before it, the process's peak RSS, and the stash the plan keeps. Ratios are to no recompute
+RSS before it, the process's peak RSS, the stash the plan keeps, and the step's peak above the RSS
+between steps as the planner models it (``Plan.peak_bytes``, passes/peak.py). Ratios are to no recompute
 (``budget 1.0``). "eager" is PyTorch without ORTModule, for comparison.
 """
 
@@ -110,13 +111,16 @@ def worker(workload: str, budget: str, steps: int, scale: int, threads: int) -> 
         return time.perf_counter() - start
 
     measured = measure(step, steps)
-    kept = None
+    kept = modelled = None
     if budget != "eager":
         if runner.fallback_reason is not None:
             raise RuntimeError(f"ORTModule fell back to PyTorch: {runner.fallback_reason}")
         plans = [t.recompute for entries in runner._cache.values() for g in entries for t in g.training.values()]
         kept = sum(p.stashed_bytes - p.saved_bytes for p in plans if p is not None) / 2**20
-    return {"workload": workload, "budget": budget, **measured, "process_peak_mb": peak_rss_mb(), "kept_mb": kept}
+        peaks = [p.peak_bytes for p in plans if p is not None and p.peak_bytes is not None]
+        modelled = max(peaks) / 2**20 if peaks else None
+    return {"workload": workload, "budget": budget, **measured, "process_peak_mb": peak_rss_mb(), "kept_mb": kept,
+            "modelled_mb": modelled}
 
 
 # -- the on-device artifacts (ondevice_bench.py's BERT-small at ``scale`` x its batch of 8) ---------------
@@ -193,7 +197,7 @@ def ondevice_worker(workload: str, budget: str, steps: int, scale: int, threads:
             module.lazy_reset_grad()
             return time.perf_counter() - start
     return {"workload": workload, "budget": budget, **measure(step, steps), "process_peak_mb": peak_rss_mb(),
-            "kept_mb": None}
+            "kept_mb": None, "modelled_mb": None}
 
 
 def run_one(workload: str, budget: str, args) -> dict:
@@ -243,14 +247,16 @@ def report(workload: str, args) -> None:
     print(f"\n{workload} at {args.scale}x batch, {args.threads} thread(s), {args.rounds} round(s), "
           f"{args.steps} steps each; medians")
     print(f"{'budget':>7} {'step':>9} {'vs 1.0':>7} {'activation':>11} {'vs 1.0':>7} {'between':>9} "
-          f"{'step peak':>10} {'proc peak':>10} {'stash kept':>11}")
+          f"{'step peak':>10} {'proc peak':>10} {'stash kept':>11} {'modelled':>9}")
     for b in args.budgets:
         m = med[b]
         t_ratio = f"{m['median_s'] / base['median_s']:.2f}x" if base else "-"
         a_ratio = f"{m['activation_mb'] / base['activation_mb']:.2f}x" if base and base['activation_mb'] > 0 else "-"
         kept = f"{m['kept_mb']:9.1f}MB" if "kept_mb" in m else "-"
+        modelled = f"{m['modelled_mb']:7.0f}MB" if "modelled_mb" in m else "-"
         print(f"{b:>7} {m['median_s'] * 1e3:7.1f}ms {t_ratio:>7} {m['activation_mb']:9.0f}MB {a_ratio:>7} "
-              f"{m['between_mb']:7.0f}MB {m['step_peak_mb']:8.0f}MB {m['process_peak_mb']:8.0f}MB {kept:>11}")
+              f"{m['between_mb']:7.0f}MB {m['step_peak_mb']:8.0f}MB {m['process_peak_mb']:8.0f}MB {kept:>11} "
+              f"{modelled:>9}")
     for line in targets(med):
         print(line)
 

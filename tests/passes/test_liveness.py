@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import torch
 from onnx import TensorProto, helper
 
 from onnxtrain.passes.liveness import Step, crossing, intervals, proto_sizes, simulate, steps_of
+from onnxtrain.passes.peak import PeakModel
 from onnxtrain.passes.stage_graph import stage_graph
 from onnxtrain.runtime.session import TorchSession
 from onnxtrain.runtime.staged import StagedSession
@@ -100,3 +102,36 @@ def test_cuts_move_between_layers():
         session = StagedSession(staged, lambda m: TorchSession(m, torch.device("cpu")))
         (out,) = session.run([torch.from_numpy(x) for x in feeds])
         np.testing.assert_allclose(out.numpy(), g, rtol=1e-6)
+
+
+def _joint() -> tuple[ir.Graph, set]:
+    """Forward ``y = -tanh(exp(relu(x)))``; gradient nodes ``d1 = dy * c``, ``d2 = d1 * b``, ``dx = d2 * a``
+    (10 floats each: 40 bytes)."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Exp", ["a"], ["b"]),
+             helper.make_node("Tanh", ["b"], ["c"]), helper.make_node("Neg", ["c"], ["y"]),
+             helper.make_node("Mul", ["dy", "c"], ["d1"]), helper.make_node("Mul", ["d1", "b"], ["d2"]),
+             helper.make_node("Mul", ["d2", "a"], ["dx"])]
+    info = [helper.make_tensor_value_info(n, f, [10]) for n in ("x", "dy", "y", "dx")]
+    graph = helper.make_graph(nodes, "joint", info[:2], info[2:],
+                              value_info=[helper.make_tensor_value_info(n, f, [10]) for n in "abc"] +
+                              [helper.make_tensor_value_info(n, f, [10]) for n in ("d1", "d2")])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    forward = {n for n in model.graph if n.outputs[0].name in "abcy"}
+    return model.graph, forward
+
+
+def test_peak_model_by_hand():
+    graph, forward = _joint()
+    model = PeakModel(graph, forward, lambda v: 40)
+    # No recompute: a, b, c, y after the forward (160), d1 beside them (200); then c, b, d1 are freed.
+    assert model.peak([]) == 200
+    # b recomputed: freed after Tanh, its clone made just before d2 reads it; the peak is the same 200
+    # (a, y, d1 and the clone at d2), but b is gone while d1 is made: 160 there instead of 200.
+    exp = next(n for n in graph if n.op_type == "Exp")
+    steps = model.steps([[exp]])
+    assert [s.name for s in steps].index("/recomputed") == 5  # after d1 (step 4), before d2
+    assert steps[6].inputs == (graph.node(4).outputs[0], ("recomputed", exp.outputs[0]))
+    spans = intervals(steps, model.sizes, outputs=list(graph.outputs))
+    assert spans[exp.outputs[0]][:2] == (1, 2)  # read by Tanh only
+    assert model.peak([[exp]]) == 200

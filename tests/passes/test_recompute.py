@@ -98,13 +98,16 @@ def _recompute_and_split(plan: Recompute, inputs, dy):
 def test_smaller_budgets_stash_fewer_bytes_with_the_same_gradients():
     inputs, dy = _feeds()
     dims = {"batch": BATCH}
-    stashed = []
+    stashed, peaks = [], []
     for budget in (1.0, 0.75, 0.5, 0.25, 0.0):
         plan, split = _recompute_and_split(Recompute(budget=budget, kinds=KINDS), inputs, dy)
         stashed.append(_stashed_bytes(split, dims))
+        peaks.append(plan.peak_bytes)
         kept = plan.stashed_bytes - plan.saved_bytes
-        assert budget == 0.0 or kept <= budget * plan.stashed_bytes
+        # Met down to 0.5; below, the candidates that would meet the budget raise the modelled peak.
+        assert budget < 0.5 or kept <= budget * plan.stashed_bytes, (budget, kept)
     assert stashed == sorted(stashed, reverse=True) and stashed[-1] < stashed[0], stashed
+    assert peaks == sorted(peaks, reverse=True) and peaks[-1] < peaks[0], peaks
     # budget 1.0 recomputes nothing: every stashed forward value is read by backward as it is
     plan, _ = _recompute_and_split(Recompute(budget=1.0), inputs, dy)
     assert plan.saved_bytes == 0
@@ -112,7 +115,8 @@ def test_smaller_budgets_stash_fewer_bytes_with_the_same_gradients():
 
 def test_cheap_kinds_go_first_and_matmuls_only_when_allowed():
     inputs, dy = _feeds()
-    half, _ = _recompute_and_split(Recompute(budget=0.5, kinds=KINDS), inputs, dy)
+    # At 0.75 no candidate raises the modelled peak (below, a Tanh chain would, and is passed over).
+    half, _ = _recompute_and_split(Recompute(budget=0.75, kinds=KINDS), inputs, dy)
     on = [c for c in half.candidates if c.on]
     off = [c for c in half.candidates if not c.on and c.saved]
     order = ("pointwise", "transcendental", "matmul")

@@ -15,7 +15,10 @@ Its saving is the size of its stashed outputs (dims resolved with the actual inp
 subgraph, per element for pointwise ops, ``2*M*N*K`` for a matrix product. Candidates are ranked by kind
 (cheap pointwise and layout ops, then transcendental and normalising ops, then matrix products), then by
 cost per byte saved; a budget takes them in that order until the stash fits it, so a smaller budget
-always recomputes a superset of what a larger one does.
+always recomputes a superset of what a larger one does. A candidate is passed over where it would raise
+the step's modelled peak (:mod:`onnxtrain.passes.peak`) above the lowest so far, or make a subgraph make
+more than ``MAX_MADE_PER_SAVED`` times the bytes it saves: the modelled peak never rises as the budget
+falls.
 
 Plans (:class:`Recompute`):
 
@@ -49,11 +52,12 @@ import logging
 import operator
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
+from onnxtrain.passes.peak import PeakModel
 from onnxtrain.passes.split_forward_backward import ancestors
 
 logger = logging.getLogger("onnxtrain.passes")
@@ -266,6 +270,10 @@ class Candidate:
 class Plan:
     candidates: list[Candidate]
     stashed_bytes: int  # without recompute (layout chains from leaves are always redone)
+    # The step's modelled peak above what stays alive between steps (passes/peak.py), without recompute
+    # and with this plan; None where not modelled.
+    base_peak_bytes: int | None = None
+    peak_bytes: int | None = None
 
     @property
     def saved_bytes(self) -> int:
@@ -277,8 +285,11 @@ class Plan:
         for c in self.candidates:
             rows.setdefault(c.pattern, []).append(c)
         lines = [f"recompute plan: {self.saved_bytes / 2**20:.1f} of {self.stashed_bytes / 2**20:.1f} MiB of "
-                 f"stashed activations recomputed ({len(self.candidates)} candidates)",
-                 f"  {'pattern':<48} {'kind':<14} {'count':>5} {'on':>5} {'MiB saved':>10} {'MiB if all':>10}"]
+                 f"stashed activations recomputed ({len(self.candidates)} candidates)"]
+        if self.peak_bytes is not None and self.base_peak_bytes is not None:
+            lines.append(f"  modelled peak of a step: {self.peak_bytes / 2**20:.1f} MiB "
+                         f"({self.base_peak_bytes / 2**20:.1f} MiB without recompute)")
+        lines += [f"  {'pattern':<48} {'kind':<14} {'count':>5} {'on':>5} {'MiB saved':>10} {'MiB if all':>10}"]
         for pattern, group in sorted(rows.items(), key=lambda kv: -sum(c.saved for c in kv[1])):
             on = [c for c in group if c.on]
             lines.append(f"  {pattern:<48} {group[0].kind:<14} {len(group):>5} {len(on):>5} "
@@ -315,7 +326,11 @@ class RecomputePass(ir.passes.InPlacePass):
         candidates = _candidates(stashed, forward, leaves | set(clones.of), set(fwd_outputs), order, self.dims,
                                  self.options.kinds)
         plan = Plan(candidates, sum(_size(v, self.dims) for v in stashed if v not in fwd_outputs))
-        _choose(plan, self.options, stashed, leaves | set(clones.of), order, self.dims)
+        model_peak = PeakModel(graph, forward, lambda v: _size(v, self.dims)).peak if candidates else None
+        _choose(plan, self.options, stashed, leaves | set(clones.of), order, self.dims, model_peak)
+        if model_peak is not None:
+            plan.base_peak_bytes = model_peak([])
+            plan.peak_bytes = model_peak([c.nodes for c in candidates if c.on])
         for c in sorted((c for c in candidates if c.on), key=lambda c: order[c.node]):
             clones.recompute(c.nodes)
             modified = True
@@ -427,7 +442,8 @@ def _subgraph(node: ir.Node, stash: set[ir.Value], leaves: set[ir.Value]) -> lis
 
 
 def _choose(plan: Plan, options: Recompute, stashed: list[ir.Value], leaves: set[ir.Value],
-            order: dict[ir.Node, int], dims: Mapping[str, int]) -> None:
+            order: dict[ir.Node, int], dims: Mapping[str, int],
+            model_peak: Callable[[list[list[ir.Node]]], int] | None = None) -> None:
     """Turn candidates on: the patterns asked for, then the default plan or a budget's prefix."""
     counts = dict(options.patterns)
     for c in plan.candidates:
@@ -444,22 +460,27 @@ def _choose(plan: Plan, options: Recompute, stashed: list[ir.Value], leaves: set
         else options.budget * plan.stashed_bytes
     ranked = sorted((c for c in plan.candidates if c.saved > 0),
                     key=lambda c: (KINDS.index(c.kind), c.cost / c.saved, c.pattern))
-    _take(plan, ranked, target, stashed, leaves, order, dims, set(options.kinds))
+    _take(plan, ranked, target, stashed, leaves, order, dims, set(options.kinds), model_peak)
 
 
 def _take(plan: Plan, ranked: list[Candidate], target: float, stashed: list[ir.Value], leaves: set[ir.Value],
-          order: dict[ir.Node, int], dims: Mapping[str, int], allowed: set[str]) -> None:
+          order: dict[ir.Node, int], dims: Mapping[str, int], allowed: set[str],
+          model_peak: Callable[[list[list[ir.Node]]], int] | None = None) -> None:
     """Turn on ``ranked``'s candidates in order until the stash fits ``target`` bytes. Each subgraph reaches
     back through the values recomputed before it, up to values that stay stashed (so recomputing the
     input of a recomputed value grows that value's subgraph: checkpointing, with the values that stay
     stashed as the checkpoints). A candidate is refused where it would make its own subgraph, or one
     already on, longer than ``MAX_SUBGRAPH_NODES`` nodes or of a kind not allowed: that bounds every
-    recomputation to about a layer, instead of redoing the whole forward at the start of backward."""
+    recomputation to about a layer, instead of redoing the whole forward at the start of backward.
+    With ``model_peak``, a candidate is also refused where it would raise the step's modelled peak
+    above the lowest one so far: a budget takes a prefix of the same sequence of plans, so the modelled
+    peak never rises as the budget falls."""
     stash = set(stashed)
     on = [c for c in plan.candidates if c.on]
     for c in on:
         stash.difference_update(c.outputs)
     left = plan.stashed_bytes - plan.saved_bytes
+    lowest = model_peak([d.nodes for d in on]) if model_peak is not None and left > target else None
     for c in ranked:
         if left <= target:
             break
@@ -469,6 +490,11 @@ def _take(plan: Plan, ranked: list[Candidate], target: float, stashed: list[ir.V
         grown = [_allowed_subgraph(d.node, trial, leaves, allowed) for d in (*on, c)]
         if any(g is None or _made(g[0], dims) > MAX_MADE_PER_SAVED * d.saved for d, g in zip((*on, c), grown)):
             continue
+        if lowest is not None:
+            peak = model_peak([sorted(g[0], key=order.get) for g in grown])
+            if peak > lowest:
+                continue
+            lowest = peak
         for d, (nodes, kind) in zip((*on, c), grown):
             nodes.sort(key=order.get)
             d.nodes, d.kind = nodes, kind
