@@ -384,3 +384,77 @@ def test_merge_into_a_layer_exported_as_gemm(quantized):
         feeds = merged
     y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x, **feeds})[0]
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dequantize_where_read_computes_the_same_with_one_copy_per_reader():
+    """The int8 scheduling pass (``lora_quant.dequantize_where_read``): onnxruntime gives the same forward and
+    gradient outputs before and after it; afterwards the gradient node reads a dequantized copy of its
+    own, every node made of weights alone comes first, and the dequantized shapes are left unknown."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from onnxtrain.ondevice.lora_quant import dequantize_where_read
+
+    rng = np.random.default_rng(0)
+    q, scale = quantize_rows_int8(rng.normal(size=(6, 5)).astype(np.float32))
+    nodes = [helper.make_node("DequantizeLinear", ["W.int8", "W.scale"], ["W"], axis=0, name="dequantize/W"),
+             helper.make_node("Relu", ["x"], ["h"]),
+             helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "Wt"], ["y"]),          # forward: y = relu(x) W^T
+             helper.make_node("Transpose", ["Wt"], ["W_again"], perm=[1, 0]),
+             helper.make_node("MatMul", ["dy", "W_again"], ["dh"])]   # a gradient node: dh = dy W
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5]),
+                     helper.make_tensor_value_info("dy", TensorProto.FLOAT, [3, 6]),
+                     helper.make_tensor_value_info("W.int8", TensorProto.INT8, [6, 5]),
+                     helper.make_tensor_value_info("W.scale", TensorProto.FLOAT, [6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 6]), helper.make_tensor_value_info("dh", TensorProto.FLOAT, [3, 5])],
+        value_info=[helper.make_tensor_value_info("W", TensorProto.FLOAT, [6, 5]),
+                    helper.make_tensor_value_info("Wt", TensorProto.FLOAT, [5, 6])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    feeds = {"x": rng.normal(size=(3, 5)).astype(np.float32), "dy": rng.normal(size=(3, 6)).astype(np.float32),
+             "W.int8": q, "W.scale": scale}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)  # noqa: E731
+    before = run(model)
+    assert dequantize_where_read(model, 1, ["W.int8", "W.scale"]) == 1
+    after = run(model)
+    for a, b in zip(after, before):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    w = q.astype(np.float32) * scale[:, None]
+    np.testing.assert_allclose(after[1], feeds["dy"] @ w, rtol=1e-5)  # and numpy's dh = dy W
+    ops = [n.op_type for n in model.graph.node]
+    assert ops[:4] == ["DequantizeLinear", "Transpose", "DequantizeLinear", "Transpose"]  # weights first
+    readers = [n for n in model.graph.node if n.op_type == "MatMul"]
+    assert len({n.input[1] for n in readers}) == 2  # the gradient node reads its own copy
+    assert not model.graph.value_info
+    assert not any(d.HasField("dim_value") for d in model.graph.input[2].type.tensor_type.shape.dim)
+
+
+def test_embedding_adapters_merge_as_peft_merges_them(tmp_path):
+    """PEFT's adapters on the embedding table (``lora_embedding_A/B``) train with the others and merge into
+    the table: the merged export has no adapters left and computes PEFT's ``merge_and_unload()`` loss."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"], lora_dropout=0.0)
+    model = WithLoss(peft.get_peft_model(LlamaForCausalLM(config), lora)).eval()
+    ids, labels = (torch.from_numpy(a) for a in _batches(1)[0])
+    torch.onnx.export(copy.deepcopy(model), (ids, labels), dynamo=True, input_names=["input_ids", "labels"],
+                      output_names=["loss"], optimize=False, verbose=False,
+                      dynamic_shapes=({0: "batch", 1: "seq"}, {0: "batch", 1: "seq"})).save(str(tmp_path / "emb.onnx"))
+    generate_lora_artifacts(tmp_path / "emb.onnx", loss=None, optimizer="adamw", artifact_directory=tmp_path / "a")
+    state, module, _ = _train(tmp_path / "a")
+    table_adapter = "model.base_model.model.model.embed_tokens.lora_embedding_A.default"
+    assert state.parameters[table_adapter].requires_grad
+    module.export_model_for_inferencing(tmp_path / "merged.onnx", ["loss"], merge_adapters=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(torch.from_numpy(state.parameters[name].data))
+        x, y = _batches(1, seed=1)[0]
+        merged_ref = WithLoss(model.model.merge_and_unload())(torch.from_numpy(x), torch.from_numpy(y)).item()
+    merged = onnx.load(tmp_path / "merged.onnx")
+    assert not [t.name for t in merged.graph.initializer if "lora_" in t.name]
+    assert _run_loss(tmp_path / "merged.onnx", x, y) == pytest.approx(merged_ref, rel=1e-5)
