@@ -3,8 +3,8 @@
 Each case is a folder: the four artifacts, ``case.json`` (the batches, the loop, the expected losses)
 and ``expected_checkpoint`` (parameters and optimizer state after the loop, written by the Python
 runtime). The Python runtime's losses are checked against PyTorch training the same model first, so
-the fixtures are trusted, not just self-consistent. ``web/`` holds the training and optimizer models of
-the same model generated with ``target="web"``, which must reproduce the same numbers.
+the fixtures are trusted, not just self-consistent. ``web/`` holds the training, optimizer and train-step models
+of the same model generated with ``target="web"``, which must reproduce the same numbers.
 
     PYTHONPATH=src python tests/conformance/make_fixtures.py        # needs torch; rewrites the folders
     PYTHONPATH=src python tests/conformance/make_fixtures.py --web  # only the web/ graphs of each case
@@ -143,12 +143,12 @@ def make(name: str, out_root: Path = HERE) -> None:
     print(f"{name}: {len(losses)} losses {losses[0]:.4f} -> {losses[-1]:.4f}, vs PyTorch max rel {rel.max():.1e}")
 
 
-WEB_GRAPHS = ("training_model.onnx", "optimizer_model.onnx")
+WEB_GRAPHS = ("training_model.onnx", "optimizer_model.onnx", "train_step_model.onnx")
 
 
 def _web_graphs(path: Path, model, optimizer_block, out: Path, tmp: Path) -> None:
-    """``out/web/``: the training and optimizer models of ``target="web"`` (the checkpoint and eval model
-    are the case's own)."""
+    """``out/web/``: the training, optimizer and train-step models of ``target="web"`` (the checkpoint and
+    eval model are the case's own)."""
     artifacts.generate_artifacts(path, requires_grad=[n for n, _ in model.named_parameters()], loss="crossentropy",
                                  optimizer=optimizer_block, artifact_directory=tmp / "web", target="web")
     (out / "web").mkdir(exist_ok=True)

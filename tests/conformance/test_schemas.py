@@ -55,6 +55,13 @@ def test_model_metadata_follows_the_schema(folder):
         session = ort.InferenceSession(str(folder / name), providers=["CPUExecutionProvider"])
         meta = json.loads(session.get_modelmeta().custom_metadata_map[key])
         validator.validate(meta)
+    if (folder / "web").is_dir():  # the train-step model carries both descriptions
+        path = folder / "web" / "train_step_model.onnx"
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        both = session.get_modelmeta().custom_metadata_map
+        training.validate(json.loads(both[TRAINING_METADATA_KEY]))
+        optimizer.validate(json.loads(both[OPTIMIZER_METADATA_KEY]))
+        assert json.loads(both[TRAINING_METADATA_KEY])["kind"] == "train_step"
     with pytest.raises(jsonschema.ValidationError, match="'gradients' is a required property"):
         training.validate({"kind": "training", "format": 2, "user_inputs": [], "outputs": ["loss"], "trainable": [],
                            "frozen": []})

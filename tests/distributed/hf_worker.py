@@ -8,7 +8,6 @@ losses, the full parameters after training, what wraps the model and ORTModule's
 """
 
 import faulthandler
-import json
 import os
 import sys
 
@@ -20,6 +19,7 @@ import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
 
 from onnxtrain.hf import ORTTrainer, ORTTrainingArguments  # noqa: E402
+from tests.distributed.worker import finish  # noqa: E402
 from tests.hf.helpers import bert_classifier, classification_dataset, losses, train_args  # noqa: E402
 
 
@@ -38,16 +38,10 @@ def main(stage, kind, output_json):
     params = list(trainer.model.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=int(stage) == 3):
         flat = torch.cat([p.detach().flatten().clone() for p in params])
-    if dist.get_rank() == 0:
-        inner = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-        with open(output_json, "w") as f:
-            json.dump({"losses": losses(trainer), "weights": flat.tolist(), "world_size": dist.get_world_size(),
-                       "wrapped": type(trainer.model_wrapped).__name__, "module": type(inner).__name__,
-                       "fallback": getattr(inner, "fallback_reason", None)}, f)
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # see tests/hf/ddp_train.py: tearing down the process group at exit has hung a rank
+    inner = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    finish(output_json, lambda: {"losses": losses(trainer), "weights": flat.tolist(),
+                                 "wrapped": type(trainer.model_wrapped).__name__, "module": type(inner).__name__,
+                                 "fallback": getattr(inner, "fallback_reason", None)})
 
 
 if __name__ == "__main__":

@@ -108,11 +108,15 @@ def main(wrapper: str, kind: str, output_json: str):
         losses, flat, module, unhooked = run_deepspeed(int(wrapper[-1]), kind)
     else:
         losses, flat, module, unhooked = run_fsdp2(kind, layers=wrapper == "fsdp2_layers")
+    finish(output_json, lambda: {"losses": losses, "weights": flat.tolist(), "module": type(module).__name__,
+                                 "fallback": getattr(module, "fallback_reason", None), "unhooked": unhooked})
+
+
+def finish(output_json: str, record) -> None:
+    """Rank 0 writes ``record()`` (plus the world size) to OUTPUT_JSON; every rank then waits and exits at once."""
     if dist.get_rank() == 0:
         with open(output_json, "w") as f:
-            json.dump({"losses": losses, "weights": flat.tolist(), "world_size": dist.get_world_size(),
-                       "module": type(module).__name__,
-                       "fallback": getattr(module, "fallback_reason", None), "unhooked": unhooked}, f)
+            json.dump({**record(), "world_size": dist.get_world_size()}, f)
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -78,6 +78,20 @@ def _train(directory):
     return state, module, losses
 
 
+def _train_torch(reference):
+    """PyTorch's losses over the same batches: AdamW (lr LR, weight decay 0.01 as the artifacts') on the
+    parameters that require grad."""
+    optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for x, y in _batches():
+        optimizer.zero_grad()
+        loss = reference(torch.from_numpy(x), torch.from_numpy(y))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.fixture(scope="module")
 def float_run(peft_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_f32")
@@ -100,14 +114,7 @@ def test_adapters_alone_train_and_match_peft(peft_llama, float_run):
                for f in ("training_model.onnx", "eval_model.onnx"))
 
     reference = copy.deepcopy(model).train()
-    optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)  # wd 0.01 both
-    ref_losses = []
-    for x, y in _batches():
-        optimizer.zero_grad()
-        loss = reference(torch.from_numpy(x), torch.from_numpy(y))
-        loss.backward()
-        optimizer.step()
-        ref_losses.append(loss.item())
+    ref_losses = _train_torch(reference)
     assert ref_losses[-1] < ref_losses[0]
     assert_losses_close(losses, ref_losses, rtol=1e-4)
     for name, p in reference.named_parameters():
@@ -249,14 +256,7 @@ def test_adapters_onnxtrain_adds_itself_train_as_peft(tmp_path):
         assert sorted(peft_name(n) for n in ours) == sorted(n for n, p in params.items() if p.requires_grad)
         for name in ours:
             params[peft_name(name)].copy_(torch.from_numpy(start.parameters[name].data))
-    optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
-    ref_losses = []
-    for x, y in _batches():
-        optimizer.zero_grad()
-        loss = reference(torch.from_numpy(x), torch.from_numpy(y))
-        loss.backward()
-        optimizer.step()
-        ref_losses.append(loss.item())
+    ref_losses = _train_torch(reference)
     state, module, losses = _train(out)
     assert ref_losses[-1] < ref_losses[0]
     assert_losses_close(losses, ref_losses, rtol=1e-4)
@@ -294,14 +294,7 @@ def test_int4_base_trains_as_peft_on_the_dequantized_weights(peft_llama, float_r
             elif p.requires_grad:
                 p.copy_(torch.from_numpy(start.parameters[name].data))
     assert quantized == 16  # embedding, 7 linear layers x 2, lm_head
-    optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
-    ref_losses = []
-    for x, y in _batches():
-        optimizer.zero_grad()
-        loss = reference(torch.from_numpy(x), torch.from_numpy(y))
-        loss.backward()
-        optimizer.step()
-        ref_losses.append(loss.item())
+    ref_losses = _train_torch(reference)
     state, _, losses = _train(tmp_path)
     assert_losses_close(losses, ref_losses, rtol=1e-4)
     rel = np.abs(np.array(losses) - f32_losses) / np.array(f32_losses)
@@ -347,3 +340,121 @@ def test_int4_quantization_pass_against_numpy(cols, block):
         assert (np.abs(dequantize_blocks_int4(packed, scale) - weight) <= step / 2 + 1e-6).all()
     np.testing.assert_allclose(y, x @ dequantize_blocks_int4(*quantize_blocks_int4(w, block)).T, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(rows, dequantize_blocks_int4(*quantize_blocks_int4(table, block))[ids])
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_merge_into_a_layer_exported_as_gemm(quantized):
+    """A base layer exported as ``Gemm(x, W, bias, transB=1)`` (a 2-D input) merges as MatMul ones do:
+    onnxruntime on the merged graph gives numpy's ``x (W + s B A)^T + bias``, with an int8 base too."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from onnxtrain.ondevice.lora_merge import merge_adapters
+
+    rng = np.random.default_rng(0)
+    w, bias = rng.normal(size=(6, 5)).astype(np.float32), rng.normal(size=6).astype(np.float32)
+    a, b = rng.normal(size=(2, 5)).astype(np.float32), rng.normal(size=(6, 2)).astype(np.float32)
+    x = rng.normal(size=(3, 5)).astype(np.float32)
+    params = {"bias": bias, "l.lora_A.weight": a, "l.lora_B.weight": b}
+    nodes = [helper.make_node("Gemm", ["x", "W", "bias"], ["base"], transB=1),
+             helper.make_node("Transpose", ["l.lora_A.weight"], ["At"], perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "At"], ["xa"]),
+             helper.make_node("Transpose", ["l.lora_B.weight"], ["Bt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["xa", "Bt"], ["xab"]),
+             helper.make_node("Mul", ["xab", "s"], ["scaled"]),
+             helper.make_node("Add", ["base", "scaled"], ["y"])]
+    if quantized:
+        q, scale = quantize_rows_int8(w)
+        params.update({"W.int8": q, "W.scale": scale})
+        nodes.insert(0, helper.make_node("DequantizeLinear", ["W.int8", "W.scale"], ["W"], axis=0))
+        w = q.astype(np.float32) * scale[:, None]
+    else:
+        params["W"] = w
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5])] + [
+        helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)) for n, v in params.items()]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 6])],
+                              [onnx.numpy_helper.from_array(np.array(0.5, np.float32), "s")])
+    model, merged = merge_adapters(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), params)
+    expected = x @ (w + 0.5 * b @ a).T + bias
+    if quantized:  # the merged weight is float32, an initializer in place of the DequantizeLinear
+        assert not [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+        feeds = {n: v for n, v in merged.items() if n in {i.name for i in model.graph.input}}
+    else:
+        np.testing.assert_allclose(merged["W"], w + 0.5 * b @ a, rtol=1e-6)
+        feeds = merged
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x, **feeds})[0]
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dequantize_where_read_computes_the_same_with_one_copy_per_reader():
+    """The int8 scheduling pass (``lora_quant.dequantize_where_read``): onnxruntime gives the same forward and
+    gradient outputs before and after it; afterwards the gradient node reads a dequantized copy of its
+    own, every node made of weights alone comes first, and the dequantized shapes are left unknown."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from onnxtrain.ondevice.lora_quant import dequantize_where_read
+
+    rng = np.random.default_rng(0)
+    q, scale = quantize_rows_int8(rng.normal(size=(6, 5)).astype(np.float32))
+    nodes = [helper.make_node("DequantizeLinear", ["W.int8", "W.scale"], ["W"], axis=0, name="dequantize/W"),
+             helper.make_node("Relu", ["x"], ["h"]),
+             helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "Wt"], ["y"]),          # forward: y = relu(x) W^T
+             helper.make_node("Transpose", ["Wt"], ["W_again"], perm=[1, 0]),
+             helper.make_node("MatMul", ["dy", "W_again"], ["dh"])]   # a gradient node: dh = dy W
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5]),
+                     helper.make_tensor_value_info("dy", TensorProto.FLOAT, [3, 6]),
+                     helper.make_tensor_value_info("W.int8", TensorProto.INT8, [6, 5]),
+                     helper.make_tensor_value_info("W.scale", TensorProto.FLOAT, [6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 6]), helper.make_tensor_value_info("dh", TensorProto.FLOAT, [3, 5])],
+        value_info=[helper.make_tensor_value_info("W", TensorProto.FLOAT, [6, 5]),
+                    helper.make_tensor_value_info("Wt", TensorProto.FLOAT, [5, 6])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    feeds = {"x": rng.normal(size=(3, 5)).astype(np.float32), "dy": rng.normal(size=(3, 6)).astype(np.float32),
+             "W.int8": q, "W.scale": scale}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)  # noqa: E731
+    before = run(model)
+    assert dequantize_where_read(model, 1, ["W.int8", "W.scale"]) == 1
+    after = run(model)
+    for a, b in zip(after, before):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    w = q.astype(np.float32) * scale[:, None]
+    np.testing.assert_allclose(after[1], feeds["dy"] @ w, rtol=1e-5)  # and numpy's dh = dy W
+    ops = [n.op_type for n in model.graph.node]
+    assert ops[:4] == ["DequantizeLinear", "Transpose", "DequantizeLinear", "Transpose"]  # weights first
+    readers = [n for n in model.graph.node if n.op_type == "MatMul"]
+    assert len({n.input[1] for n in readers}) == 2  # the gradient node reads its own copy
+    assert not model.graph.value_info
+    assert not any(d.HasField("dim_value") for d in model.graph.input[2].type.tensor_type.shape.dim)
+
+
+def test_embedding_adapters_merge_as_peft_merges_them(tmp_path):
+    """PEFT's adapters on the embedding table (``lora_embedding_A/B``) train with the others and merge into
+    the table: the merged export has no adapters left and computes PEFT's ``merge_and_unload()`` loss."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"], lora_dropout=0.0)
+    model = WithLoss(peft.get_peft_model(LlamaForCausalLM(config), lora)).eval()
+    ids, labels = (torch.from_numpy(a) for a in _batches(1)[0])
+    torch.onnx.export(copy.deepcopy(model), (ids, labels), dynamo=True, input_names=["input_ids", "labels"],
+                      output_names=["loss"], optimize=False, verbose=False,
+                      dynamic_shapes=({0: "batch", 1: "seq"}, {0: "batch", 1: "seq"})).save(str(tmp_path / "emb.onnx"))
+    generate_lora_artifacts(tmp_path / "emb.onnx", loss=None, optimizer="adamw", artifact_directory=tmp_path / "a")
+    state, module, _ = _train(tmp_path / "a")
+    table_adapter = "model.base_model.model.model.embed_tokens.lora_embedding_A.default"
+    assert state.parameters[table_adapter].requires_grad
+    module.export_model_for_inferencing(tmp_path / "merged.onnx", ["loss"], merge_adapters=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(torch.from_numpy(state.parameters[name].data))
+        x, y = _batches(1, seed=1)[0]
+        merged_ref = WithLoss(model.model.merge_and_unload())(torch.from_numpy(x), torch.from_numpy(y)).item()
+    merged = onnx.load(tmp_path / "merged.onnx")
+    assert not [t.name for t in merged.graph.initializer if "lora_" in t.name]
+    assert _run_loss(tmp_path / "merged.onnx", x, y) == pytest.approx(merged_ref, rel=1e-5)

@@ -11,10 +11,12 @@ import json
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
 from onnxtrain import artifacts
+from onnxtrain.api import CheckpointState
 from onnxtrain.utils import chunks
 from tests.ondevice.helpers import (
     MLP,
@@ -82,6 +84,44 @@ def test_web_artifacts_avoid_scan_and_row_of_ones_matmul_and_train_as_torch(tmp_
     for name, param in ref.named_parameters():
         np.testing.assert_allclose(state.parameters[name].data, param.detach().numpy(), rtol=0, atol=1e-5)
 
+    # The train-step model (one graph for both) trains the same: losses and parameters against PyTorch.
+    assert default.train_step_model is None and not (tmp_path / "default" / "train_step_model.onnx").exists()
+    step_losses, step_params = _train_step_run(paths, batches, lr=1e-2)
+    assert_losses_close(step_losses, theirs, RTOL)
+    for name, param in ref.named_parameters():
+        np.testing.assert_allclose(step_params[name], param.detach().numpy(), rtol=0, atol=1e-5)
+
+
+def _train_step_run(paths, batches, lr):
+    """Train with ``train_step_model.onnx`` alone in onnxruntime: the flat vectors in, the new ones out."""
+    model = onnx.load(paths.train_step_model)
+    meta = {p.key: json.loads(p.value) for p in model.metadata_props}
+    train_meta, opt_meta = meta["onnxtrain.training"], meta["onnxtrain.optimizer"]
+    assert train_meta["kind"] == "train_step"
+    (group,) = opt_meta["groups"]
+    state = CheckpointState.load_checkpoint(paths.checkpoint)
+    flat = np.zeros(group["chunks"] * group["chunk"], np.float32)
+    flat[:group["size"]] = np.concatenate([state.parameters[p["name"]].data.ravel() for p in group["params"]])
+    vectors = {"params": flat.reshape(group["chunks"], group["chunk"])}
+    vectors.update({s: np.zeros_like(vectors["params"]) for s in opt_meta["states"]})
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    frozen = {n: state.parameters[n].data for n in train_meta["frozen"]}
+    names = [o.name for o in session.get_outputs()]
+    losses = []
+    for step, inputs in enumerate(batches, 1):
+        feeds = dict(zip(train_meta["user_inputs"], inputs), **frozen, learning_rate=np.array(lr, np.float32),
+                     step=np.array(step, np.int64), **{f"{k}.float32": v for k, v in vectors.items()})
+        out = dict(zip(names, session.run(None, feeds)))
+        losses.append(float(out["loss"]))
+        vectors = {k: out[f"{k}.float32.out"] for k in vectors}
+    assert not vectors["params"].ravel()[group["size"]:].any()  # the padding stays zero
+    params, lo = {}, 0
+    for p in group["params"]:
+        size = int(np.prod(p["shape"], dtype=np.int64))
+        params[p["name"]] = vectors["params"].ravel()[lo:lo + size].reshape(p["shape"])
+        lo += size
+    return losses, params
+
 
 def test_web_artifacts_sgd_momentum_train_as_torch(tmp_path):
     torch.manual_seed(3)
@@ -100,6 +140,37 @@ def test_web_artifacts_sgd_momentum_train_as_torch(tmp_path):
     theirs = torch_losses(ref, torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3),
                           torch.nn.functional.mse_loss, batches)
     assert_losses_close(ours, theirs, RTOL)
+    assert_losses_close(_train_step_run(paths, batches, lr=0.05)[0], theirs, RTOL)
+
+
+def test_train_step_model_with_frozen_parameters_trains_as_torch(tmp_path):
+    torch.manual_seed(5)
+    model = MLP((6, 16, 3))
+    path = export(clone(model), (torch.randn(4, 6),), tmp_path / "m.onnx", ["x"])
+    trainable = [n for n, _ in model.named_parameters() if not n.startswith("net.0.")]
+    paths = generate(path, tmp_path, requires_grad=trainable, frozen_params=["net.0.weight", "net.0.bias"],
+                     loss="crossentropy", optimizer="adamw", target="web")
+    step_model = onnx.load(paths.train_step_model)
+    assert {"net.0.weight", "net.0.bias"} <= {i.name for i in step_model.graph.input}  # frozen: still inputs
+    batches = classification_batches(np.random.default_rng(5), STEPS, 8, (6,), 3)
+    ref = clone(model)
+    for name, param in ref.named_parameters():
+        param.requires_grad_(name in trainable)
+    theirs = torch_losses(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2),
+                          torch.nn.functional.cross_entropy, batches)
+    losses, params = _train_step_run(paths, batches, lr=1e-2)
+    assert_losses_close(losses, theirs, RTOL)
+    for name in trainable:
+        np.testing.assert_allclose(params[name], dict(ref.named_parameters())[name].detach().numpy(), rtol=0, atol=1e-5)
+
+
+def test_no_train_step_model_for_loss_scaling(tmp_path):
+    torch.manual_seed(0)
+    model = MLP((6, 8, 3))
+    path = export(clone(model), (torch.randn(4, 6),), tmp_path / "m.onnx", ["x"])
+    paths = generate(path, tmp_path, requires_grad=[n for n, _ in model.named_parameters()], loss="crossentropy",
+                     optimizer="adamw", target="web", precision="fp16")
+    assert paths.train_step_model is None and not (tmp_path / "train_step_model.onnx").exists()
 
 
 def test_unknown_target_is_refused_before_any_work(tmp_path):

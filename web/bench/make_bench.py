@@ -81,7 +81,8 @@ def make(name: str, target: str = "default") -> Path:
         artifacts.generate_artifacts(path, requires_grad=[n for n, _ in model.named_parameters()], loss="crossentropy",
                                      optimizer="adamw", artifact_directory=out, overwrite=True, target=target)
     spec = {"inputs": [{"name": n, "dtype": d, "shape": s, "high": h} for n, d, s, h in inputs]
-            + [{"name": labels[0], "dtype": "int64", "shape": labels[1], "high": labels[2]}], "warmup": 5, "steps": 30}
+            + [{"name": labels[0], "dtype": "int64", "shape": labels[1], "high": labels[2]}], "warmup": 5, "steps": 30,
+            "train_step": (out / "train_step_model.onnx").exists()}  # web artifacts: one session call a step
     (out / "bench.json").write_text(json.dumps(spec))
     return out
 

@@ -164,7 +164,7 @@ async function main() {
   try {
     if (params.get('bench')) {
       const folder = params.get('bench');
-      result.bench = await stepTime((file) => bytes(folder + file), options);
+      result.bench = await stepTime((file) => bytes(folder + file), { ...options, trainStep: params.get('trainStep') !== '0' });
     } else {
       if (params.get('conformance')) {
         $('status').textContent = 'replaying the conformance fixtures…';

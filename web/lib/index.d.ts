@@ -62,6 +62,10 @@ export class Module {
 export class Optimizer {
   static create(optimizerModel: Source, module: Module, options?: ModuleOptions): Promise<Optimizer>;
   step(): Promise<void>;
+  /** Web artifacts' train_step_model.onnx: the training and optimizer models in one graph, for trainAndStep. */
+  loadTrainStepModel(model: Source, options?: ModuleOptions): Promise<void>;
+  /** trainStep, step and lazyResetGrad; one session call with the train-step model when no gradients were accumulated. */
+  trainAndStep(feeds: Feeds): Promise<Record<string, Tensor>>;
   setLearningRate(learningRate: number): void;
   getLearningRate(): number;
 }

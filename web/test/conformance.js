@@ -16,11 +16,14 @@ export function batchFeeds(testCase, index) {
 }
 
 /** `load(file)` returns a file of the case's folder as a Uint8Array; `graphs` is '' for the case's own
- * training and optimizer models, 'web/' for its `target="web"` ones (same checkpoint, same numbers). */
-export async function runCase(testCase, load, options = {}, graphs = '') {
+ * training and optimizer models, 'web/' for its `target="web"` ones (same checkpoint, same numbers).
+ * `trainStep`: each step's last call is Optimizer.trainAndStep over web/train_step_model.onnx (one session
+ * call where no gradients were accumulated before it). */
+export async function runCase(testCase, load, options = {}, graphs = '', trainStep = false) {
   const state = CheckpointState.fromBytes(await load('checkpoint'));
   const module = await Module.create(await load(graphs + 'training_model.onnx'), state, await load('eval_model.onnx'), options);
   const optimizer = await Optimizer.create(await load(graphs + 'optimizer_model.onnx'), module);
+  if (trainStep) await optimizer.loadTrainStepModel(await load(graphs + 'train_step_model.onnx'));
   optimizer.setLearningRate(testCase.learning_rate);
   const s = testCase.schedule;
   const scheduler = s ? new LinearLRScheduler(optimizer, s.warmup_step_count, s.total_step_count, s.initial_lr) : null;
@@ -28,11 +31,15 @@ export async function runCase(testCase, load, options = {}, graphs = '') {
   let calls = 0;
   for (let step = 0; step < testCase.steps; step++) {
     for (let k = 0; k < testCase.accumulate; k++) {
-      const outputs = await module.trainStep(batchFeeds(testCase, testCase.order[calls++]));
+      const feeds = batchFeeds(testCase, testCase.order[calls++]);
+      const last = trainStep && k === testCase.accumulate - 1;
+      const outputs = await (last ? optimizer.trainAndStep(feeds) : module.trainStep(feeds));
       losses.push(outputs[module.trainingOutputNames[0]].data[0]);
     }
-    await optimizer.step();
-    module.lazyResetGrad();
+    if (!trainStep) {
+      await optimizer.step();
+      module.lazyResetGrad();
+    }
     scheduler?.step();
   }
   module.eval();

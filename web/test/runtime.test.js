@@ -13,11 +13,12 @@ const RTOL = 1e-5;
 const file = (name, rel) => new Uint8Array(readFileSync(new URL(`${name}/${rel}`, FIXTURES)));
 const caseOf = (name) => JSON.parse(readFileSync(new URL(`${name}/case.json`, FIXTURES), 'utf8'));
 
-for (const [name, graphs] of ['mlp', 'cnn', 'transformer'].flatMap((n) => [[n, ''], [n, 'web/']])) {
-  const what = graphs ? `${name} (web artifacts)` : name;
+const VARIANTS = [['', false], ['web/', false], ['web/', true]];  // graphs, train-step model
+for (const [name, graphs, trainStep] of ['mlp', 'cnn', 'transformer'].flatMap((n) => VARIANTS.map((v) => [n, ...v]))) {
+  const what = trainStep ? `${name} (web artifacts, trainAndStep)` : graphs ? `${name} (web artifacts)` : name;
   test(`${what}: losses and parameters after ${caseOf(name).steps} steps match the Python runtime`, async (t) => {
     const testCase = caseOf(name);
-    const { losses, evalLoss, state } = await runCase(testCase, (rel) => file(name, rel), {}, graphs);
+    const { losses, evalLoss, state } = await runCase(testCase, (rel) => file(name, rel), {}, graphs, trainStep);
     assert.equal(losses.length, testCase.losses.length);
     const lossErr = Math.max(...losses.map((l, i) => Math.abs(l - testCase.losses[i]) / Math.abs(testCase.losses[i])));
     assert.ok(lossErr <= RTOL, `loss relative error ${lossErr}`);
@@ -136,4 +137,51 @@ test('a training model of a later format (fp16 with loss scaling) is refused, no
   later[at + '"format": '.length] = '3'.charCodeAt(0);
   const state = CheckpointState.fromBytes(file('mlp', 'checkpoint'));
   await assert.rejects(Module.create(later, state), (e) => e instanceof OnnxtrainError && /has format 3; onnxtrain-web trains format 2/.test(e.message));
+});
+
+test('trainAndStep runs the train-step model alone, and only where no gradients were accumulated', async () => {
+  const testCase = caseOf('mlp');
+  const open = async () => {
+    const state = CheckpointState.fromBytes(file('mlp', 'checkpoint'));
+    const module = await Module.create(file('mlp', 'web/training_model.onnx'), state);
+    const optimizer = await Optimizer.create(file('mlp', 'web/optimizer_model.onnx'), module);
+    return { state, module, optimizer };
+  };
+  const fused = await open();
+  await fused.optimizer.loadTrainStepModel(file('mlp', 'web/train_step_model.onnx'));
+  const calls = { trainingModel: 0, optimizerModel: 0 };
+  for (const [key, session] of [['trainingModel', fused.module.train_.session], ['optimizerModel', fused.optimizer.session]]) {
+    const run = session.run.bind(session);
+    session.run = (...args) => { calls[key]++; return run(...args); };
+  }
+  const plain = await open();
+  for (let i = 0; i < 3; i++) {
+    const ours = await fused.optimizer.trainAndStep(batchFeeds(testCase, i));
+    const theirs = await plain.module.trainStep(batchFeeds(testCase, i));
+    await plain.optimizer.step();
+    plain.module.lazyResetGrad();
+    assert.ok(Math.abs(ours.loss.data[0] - theirs.loss.data[0]) <= 1e-6 * Math.abs(theirs.loss.data[0]));
+  }
+  assert.deepEqual(calls, { trainingModel: 0, optimizerModel: 0 });  // one session call a step
+  assert.equal(fused.state.optimizerStep, 3);
+  assert.ok(relativeError(fused.module.getContiguousParameters().data, plain.module.getContiguousParameters().data) < 1e-6);
+  // accumulated gradients: the two models run, the accumulated ones count
+  await fused.module.trainStep(batchFeeds(testCase, 3));
+  await fused.optimizer.trainAndStep(batchFeeds(testCase, 0));
+  await plain.module.trainStep(batchFeeds(testCase, 3));
+  await plain.module.trainStep(batchFeeds(testCase, 0));
+  await plain.optimizer.step();
+  plain.module.lazyResetGrad();
+  assert.deepEqual(calls, { trainingModel: 2, optimizerModel: 1 });
+  assert.ok(relativeError(fused.module.getContiguousParameters().data, plain.module.getContiguousParameters().data) < 1e-6);
+});
+
+test('a train-step model of other artifacts, or another model, is refused', async () => {
+  const state = CheckpointState.fromBytes(file('mlp', 'checkpoint'));
+  const module = await Module.create(file('mlp', 'web/training_model.onnx'), state);
+  const optimizer = await Optimizer.create(file('mlp', 'web/optimizer_model.onnx'), module);
+  await assert.rejects(optimizer.loadTrainStepModel(file('cnn', 'web/train_step_model.onnx')),
+    (e) => e instanceof OnnxtrainError && /comes from other artifacts/.test(e.message));
+  await assert.rejects(optimizer.loadTrainStepModel(file('mlp', 'web/training_model.onnx')),
+    (e) => e instanceof OnnxtrainError && /this is the training model; pass train_step_model.onnx/.test(e.message));
 });

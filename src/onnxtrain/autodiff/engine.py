@@ -93,10 +93,25 @@ def _graph_opsets(graph: ir.Graph) -> dict[str, int]:
     return {normalize_domain(k): v for k, v in graph.opset_imports.items()}
 
 
+def _check_order(nodes: list[ir.Node]) -> None:
+    """Raise if a node reads a value that a later node produces: the walks below rely on the order, and a
+    gradient would silently miss that value's contribution."""
+    seen: set[ir.Node] = set()
+    members = set(nodes)
+    for node in nodes:
+        for v in node.inputs:
+            producer = None if v is None else v.producer()
+            if producer is not None and producer in members and producer not in seen:
+                raise ValueError(f"the graph is not in topological order: node {node.name!r} ({node.op_type}) "
+                                 f"reads {v.name!r} before node {producer.name!r} ({producer.op_type}) produces it")
+        seen.add(node)
+
+
 def _plan(graph: ir.Graph, wrt: Sequence[ir.Value], outputs: Sequence[ir.Value],
           registry: Registry) -> _Plan:
     opsets = _graph_opsets(graph)
     nodes = list(graph)
+    _check_order(nodes)
     rules: dict[ir.Node, Rule | None] = {}
 
     # Values that depend (differentiably) on a wrt value.

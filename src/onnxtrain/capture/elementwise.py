@@ -11,7 +11,8 @@ forward values, NaN handling and which input a tie's gradient goes to all match:
   gets a zero gradient, ``a`` gets ``sign(a)`` times the sign chosen (0 at ``a = 0``), as in PyTorch. A NaN
   ``b`` counts as positive (ONNX cannot read a NaN's sign bit; PyTorch can).
 - ``hypot(a, b)`` is ``m * sqrt(1 + (s / m)^2)`` with ``m`` the larger of ``|a|``, ``|b|`` and ``s`` the
-  smaller (``sqrt(a^2 + b^2)`` would overflow to inf from about 1.8e19, where PyTorch's is finite).
+  smaller (``sqrt(a^2 + b^2)`` would overflow to inf from about 1.8e19, where PyTorch's is finite); at
+  ``a = b = 0`` it is ``sqrt(a^2 + b^2)``, whose gradient is NaN there as PyTorch's ``a / hypot(a, b)`` is.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ def _pick(self, other, first_wins, name: str):
     share = _tie_share(name)
     if share == 1.0:
         return op.Where(op.Or(first_wins(self, other), op.IsNaN(other)), self, other)
-    strict = op.Or(op.Not(op.Or(op.Equal(self, other), op.Not(first_wins(self, other)))), op.IsNaN(other))
+    equal = op.Equal(self, other)
+    strict = op.Or(op.Not(op.Or(equal, op.Not(first_wins(self, other)))), op.IsNaN(other))
     tie = op.Add(op.Mul(self, _scalar(share, self)), op.Mul(other, _scalar(1.0 - share, other)))
-    return op.Where(strict, self, op.Where(op.Equal(self, other), tie, other))
+    return op.Where(strict, self, op.Where(equal, tie, other))
 
 
 def fmax(self, other):
@@ -69,10 +71,15 @@ def hypot(self, other):
     """``hypot(Tensor self, Tensor other)``"""
     # Expand broadcasts both ways: each input at the common shape first, so no intermediate value has a
     # broadcast shape that shape inference has to guess from two dynamic axes
-    a, b = op.Abs(op.Expand(self, op.Shape(other))), op.Abs(op.Expand(other, op.Shape(self)))
+    x, y = op.Expand(self, op.Shape(other)), op.Expand(other, op.Shape(self))
+    a, b = op.Abs(x), op.Abs(y)
     a_larger = op.GreaterOrEqual(a, b)
     large, small = op.Where(a_larger, a, b), op.Where(a_larger, b, a)
     one = _scalar(1.0, large)
-    at_zero = op.CastLike(op.Equal(large, _scalar(0.0, large)), large)
-    ratio = op.Div(small, op.Add(large, at_zero))  # 0 / 1 where both are 0: 0 / 0 is never computed
-    return op.Mul(large, op.Sqrt(op.Add(one, op.Mul(ratio, ratio))))
+    zero = op.Equal(large, _scalar(0.0, large))
+    ratio = op.Div(small, op.Add(large, op.CastLike(zero, large)))  # 0 / 1 where both are 0, not 0 / 0
+    scaled = op.Mul(large, op.Sqrt(op.Add(one, op.Mul(ratio, ratio))))
+    # where both are 0, sqrt(x^2 + y^2): 0, with PyTorch's gradient x / hypot = 0 / 0 = NaN; elsewhere that
+    # branch reads 1s, so its (unused) gradient stays finite
+    x0, y0 = op.Where(zero, x, op.CastLike(one, x)), op.Where(zero, y, op.CastLike(one, y))
+    return op.Where(zero, op.Sqrt(op.Add(op.Mul(x0, x0), op.Mul(y0, y0))), scaled)

@@ -16,8 +16,17 @@
   inputs included (:mod:`.adaptive_pool`).
 - ``aten.fmax``, ``aten.fmin``, ``aten.copysign``, ``aten.hypot``: ``Where`` over PyTorch's comparisons (the
   exporter lowers them to prims it cannot translate; :mod:`.elementwise`).
+- ``aten.lgamma``, ``aten.digamma``, ``aten.polygamma``, ``aten.mvlgamma``: recurrence, asymptotic series and
+  reflection in ordinary ops, so their gradients are the family's next function (:mod:`.gamma`).
+- ``aten.grid_sampler(_2d/_3d)`` (``grid_sample``), bilinear and nearest: gathers of the input's corners, weighted,
+  so input and grid get gradients (the exporter's ``GridSample`` has no gradient rule; :mod:`.grid_sample`).
 - ``aten._safe_softmax``: no NaN gradient from rows of only ``-inf`` (:mod:`.softmax`).
 - ``aten.scatter_reduce.two`` with ``reduce="mean"``: the mean, not a plain scatter (:mod:`.scatter_reduce`).
+- ``aten.index_reduce``: ``scatter_reduce`` of the index broadcast along ``dim`` (:mod:`.index_reduce`).
+- ``aten.cumprod``, ``aten.cummax``, ``aten.cummin``: each prefix reduced over a masked new axis (:mod:`.scans`).
+- ``aten.median``, ``aten.nanmedian``, ``aten.kthvalue``: an index of the sorted axis (:mod:`.order_stats`).
+- ``aten.put``: a ``ScatterElements`` over the flattened tensor (:mod:`.put`).
+- ``aten.diagonal_scatter``: a ``Where`` over the diagonal's cells (:mod:`.diagonal_scatter`).
 - ``aten.atleast_1d/2d/3d.Sequence`` (``hstack``, ``vstack``, ``dstack``, ``column_stack``): one reshape per
   tensor, not an ONNX sequence that no gradient rule differentiates (:mod:`.sequences`).
 - ``aten.divide.Tensor`` / ``aten.true_divide.Tensor`` of a float and an integer tensor: the integer one cast
@@ -38,11 +47,18 @@ from onnxtrain.capture.adaptive_pool import adaptive_avg_pool3d, adaptive_max_po
 from onnxtrain.capture.amax import amax, amin
 from onnxtrain.capture.attention import scaled_dot_product_attention
 from onnxtrain.capture.batchnorm import batch_norm_functional, native_batch_norm
+from onnxtrain.capture.diagonal_scatter import diagonal_scatter
 from onnxtrain.capture.divide import divide
 from onnxtrain.capture.elementwise import copysign, fmax, fmin, hypot
+from onnxtrain.capture.gamma import digamma, lgamma, mvlgamma, polygamma
+from onnxtrain.capture.grid_sample import grid_sampler, grid_sampler_2d, grid_sampler_3d
+from onnxtrain.capture.index_reduce import index_reduce
+from onnxtrain.capture.order_stats import kthvalue, median, median_dim, nanmedian, nanmedian_dim
 from onnxtrain.capture.padding import pad
 from onnxtrain.capture.pooling import avg_pool2d, avg_pool3d
+from onnxtrain.capture.put import put
 from onnxtrain.capture.refuse import special_erfcx, special_log_ndtr
+from onnxtrain.capture.scans import cummax, cummin, cumprod
 from onnxtrain.capture.scatter_reduce import scatter_reduce
 from onnxtrain.capture.sequences import atleast_1d_sequence, atleast_2d_sequence, atleast_3d_sequence
 from onnxtrain.capture.softmax import safe_softmax
@@ -109,11 +125,29 @@ TRANSLATIONS = {
     torch.ops.aten.avg_pool2d.default: avg_pool2d,
     torch.ops.aten.avg_pool3d.default: avg_pool3d,
     torch.ops.aten.scatter_reduce.two: scatter_reduce,
+    torch.ops.aten.index_reduce.default: index_reduce,
+    torch.ops.aten.cumprod.default: cumprod,
+    torch.ops.aten.cummax.default: cummax,
+    torch.ops.aten.cummin.default: cummin,
+    torch.ops.aten.median.default: median,
+    torch.ops.aten.median.dim: median_dim,
+    torch.ops.aten.nanmedian.default: nanmedian,
+    torch.ops.aten.nanmedian.dim: nanmedian_dim,
+    torch.ops.aten.kthvalue.default: kthvalue,
+    torch.ops.aten.put.default: put,
+    torch.ops.aten.diagonal_scatter.default: diagonal_scatter,
     torch.ops.aten.pad.default: pad,
     torch.ops.aten.fmax.default: fmax,
     torch.ops.aten.fmin.default: fmin,
     torch.ops.aten.copysign.Tensor: copysign,
     torch.ops.aten.hypot.default: hypot,
+    torch.ops.aten.lgamma.default: lgamma,
+    torch.ops.aten.digamma.default: digamma,
+    torch.ops.aten.polygamma.default: polygamma,
+    torch.ops.aten.mvlgamma.default: mvlgamma,
+    torch.ops.aten.grid_sampler.default: grid_sampler,
+    torch.ops.aten.grid_sampler_2d.default: grid_sampler_2d,
+    torch.ops.aten.grid_sampler_3d.default: grid_sampler_3d,
     torch.ops.aten.adaptive_max_pool2d.default: adaptive_max_pool2d,
     torch.ops.aten._adaptive_avg_pool3d.default: adaptive_avg_pool3d,
     torch.ops.aten.atleast_1d.Sequence: atleast_1d_sequence,

@@ -33,6 +33,7 @@ from onnxtrain.autodiff.engine import (
 )
 from onnxtrain.blocks import optim as optim_blocks
 from onnxtrain.blocks.loss_scale import LossScaler
+from onnxtrain.blocks.train_step import build_train_step_model, train_step_refusal
 from onnxtrain.blocks.loss import (
     BCEWithLogitsLoss,
     CrossEntropyLoss,
@@ -84,6 +85,7 @@ class Artifacts:
     eval_model: Path
     optimizer_model: Path | None
     checkpoint: Path
+    train_step_model: Path | None = None  # web artifacts only (blocks/train_step.py)
 
 
 def resolve_loss(loss) -> Loss | None:
@@ -385,7 +387,10 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     ``target="web"`` writes artifacts for onnxruntime-web (``web/``, docs/web.md): the same files, inputs,
     outputs and checkpoint, built from other standard ops where onnxruntime-web is slow or fails: the
     optimizer updates the whole flat vectors without a ``Scan``, and bias gradients stay ``ReduceSum``
-    (the WebGPU provider refuses the row-of-ones ``MatMul``). Any runtime runs either kind.
+    (the WebGPU provider refuses the row-of-ones ``MatMul``). Any runtime runs either kind. With an
+    fp32 or bf16 optimizer model they also hold ``train_step_model.onnx``, the training and optimizer
+    models joined in one graph, so that onnxruntime-web runs a step in one call
+    (:mod:`onnxtrain.blocks.train_step`).
     """
     if target not in _TARGETS:
         raise ValueError(f"target must be one of {sorted(_TARGETS)}, got {target!r}")
@@ -394,7 +399,10 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     loss_block = resolve_loss(loss)
     optimizer_block = resolve_optimizer(optimizer)
     out_dir = Path(artifact_directory if artifact_directory is not None else os.getcwd())
-    names = [f"{prefix}{n}" for n in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")]
+    # The set's members, the checkpoint last; train_step_model.onnx only in web artifacts, but a member of
+    # every set, so that default artifacts written over web ones remove it.
+    names = [f"{prefix}{n}" for n in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
+                                      "train_step_model.onnx", "checkpoint")]
     if not overwrite:  # before the work, not after it
         refuse_existing(out_dir, names, "artifacts", _OVERWRITE_HINT)
     proto = prepare_model(load_model(model))
@@ -414,6 +422,10 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     if optimizer_block is not None:
         layout = [(n, values[n].dtype, values[n].shape) for n in info["trainable"]]
         opt_proto = optim_blocks.build_optimizer_model(optimizer_block, layout, scaler, scan=target != "web")
+    # Web artifacts also join the two models in one graph where they can (blocks/train_step.py).
+    step_proto = None
+    if target == "web" and opt_proto is not None and train_step_refusal(training_proto, opt_proto) is None:
+        step_proto = build_train_step_model(training_proto, opt_proto)
     data = ckpt.CheckpointData(
         parameters={n: values[n] for n in info["trainable"] + info["frozen"]},
         requires_grad={n: n in info["trainable"] for n in info["trainable"] + info["frozen"]},
@@ -426,9 +438,11 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
         save_model_atomic(eval_proto, staging / names[1])
         if opt_proto is not None:
             save_model_atomic(opt_proto, staging / names[2])
-        ckpt.save(data, staging / names[3])
+        if step_proto is not None:
+            save_model_atomic(step_proto, staging / names[3])
+        ckpt.save(data, staging / names[4])
     return Artifacts(out_dir / names[0], out_dir / names[1], out_dir / names[2] if opt_proto is not None else None,
-                     out_dir / names[3])
+                     out_dir / names[4], out_dir / names[3] if step_proto is not None else None)
 
 
 _OVERWRITE_HINT = "pass overwrite=True (onnxtrain artifacts --force)"

@@ -30,7 +30,13 @@ import onnx
 from onnxtrain.ondevice.artifacts import Artifacts, generate_artifacts
 from onnxtrain.ondevice.lora_add import add_lora_adapters
 from onnxtrain.ondevice.format import TRAINING_METADATA_KEY
-from onnxtrain.ondevice.lora_quant import quantize_base, quantize_base_int8, quantize_rows_int8, unpack_again_in_backward
+from onnxtrain.ondevice.lora_quant import (
+    dequantize_where_read,
+    quantize_base,
+    quantize_base_int8,
+    quantize_rows_int8,
+    unpack_again_in_backward,
+)
 from onnxtrain.utils.io import load_model, save_model_atomic
 
 ADAPTER_MARKERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
@@ -71,17 +77,20 @@ def generate_lora_artifacts(model: onnx.ModelProto | str | os.PathLike, base: st
     if base != "float32":
         proto, frozen = quantize_base(proto, frozen, bits=8 if base == "int8" else 4)
     artifacts = generate_artifacts(proto, requires_grad=adapters, frozen_params=frozen, **kwargs)
-    if base == "int4":
-        _unpack_again_in_backward(artifacts.training_model, frozen)
+    if base != "float32":
+        _read_weights_where_used(artifacts.training_model, frozen,
+                                 dequantize_where_read if base == "int8" else unpack_again_in_backward)
     return artifacts
 
 
-def _unpack_again_in_backward(path, frozen: Sequence[str]) -> None:
-    """Rewrite the training model so that no unpacked int4 weight lives from forward to backward."""
+def _read_weights_where_used(path, frozen: Sequence[str], rewrite) -> None:
+    """Rewrite the training model so that no dequantized (or unpacked) weight lives from forward to
+    backward: ``rewrite`` is :func:`~onnxtrain.ondevice.lora_quant.dequantize_where_read` (int8) or
+    :func:`~onnxtrain.ondevice.lora_quant.unpack_again_in_backward` (int4)."""
     model = load_model(path)
     meta = json.loads(next(p.value for p in model.metadata_props if p.key == TRAINING_METADATA_KEY))
-    if unpack_again_in_backward(model, len(meta["outputs"]), frozen):
-        save_model_atomic(model, path)
+    rewrite(model, len(meta["outputs"]), frozen)
+    save_model_atomic(model, path)
 
 
 __all__ = ["generate_lora_artifacts", "quantize_base_int8", "quantize_rows_int8", "split_parameters"]

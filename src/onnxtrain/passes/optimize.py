@@ -72,4 +72,7 @@ def _optimize(model: ir.Model) -> None:
         common.CommonSubexpressionEliminationPass(),
         common.OutputFixPass(),
         common.NameFixPass(),
+        # last: the rewriter and CSE can leave a node after one that reads it (two Slices of a tensor become
+        # one Split placed at the second), and the gradient engine walks nodes in order
+        common.TopologicalSortPass(),
     )(model)

@@ -30,4 +30,8 @@ CASES = [
     _resize("cubic", F(1, 1, 3, 3), {"mode": "cubic", "cubic_coeff_a": -0.75}, scales=(1, 1, 2, 2)),
     _resize("rank3-linear", F(2, 2, 5), {"mode": "linear"}, scales=(1, 1, 2)),
     _resize("one-axis", F(1, 2, 3, 4), {"mode": "linear"}, scales=(1, 1, 1, 2)),
+    _resize("rank5-linear", F(1, 2, 3, 2, 3), {"mode": "linear"}, scales=(1, 1, 2, 1.5, 2)),
+    _resize("rank5-linear-align-corners-sizes", F(2, 1, 3, 4, 2),
+            {"mode": "linear", "coordinate_transformation_mode": "align_corners"}, sizes=[2, 1, 2, 5, 3]),
+    _resize("rank5-nearest-depth-only", F(1, 2, 3, 2, 2), {"mode": "nearest"}, scales=(1, 1, 2, 1, 1)),
 ]

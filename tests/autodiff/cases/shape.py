@@ -63,6 +63,8 @@ CASES = [
     Case("ScatterElements", [("d", F(2, 4)), ("i", I([[1, 3], [0, 2]])), ("u", F(2, 2))], {"axis": 1}),
     Case("ScatterElements", [("d", F(3, 2)), ("i", I([[1, 1], [0, 1]])), ("u", F(2, 2))],
          {"axis": 0, "reduction": "add"}, name="ScatterElements-add"),
+    Case("ScatterElements", [("d", F(3, 2)), ("i", I([[1, 1], [0, 1], [1, 1]])), ("u", F(3, 2))],
+         {"axis": 0, "reduction": "mul"}, name="ScatterElements-mul"),
     Case("TopK", [("x", F(3, 5)), ("k", I([2]))], {"axis": 1}, num_outputs=2),
     Case("TopK", [("x", F(4, 3)), ("k", I([3]))], {"axis": 0, "largest": 0}, num_outputs=2,
          name="TopK-smallest"),

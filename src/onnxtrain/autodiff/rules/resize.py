@@ -5,7 +5,8 @@ Resize is linear in its input and separable: along each resized axis, output ``o
 the mode and the coordinate mapping. So the rule builds ``R`` by resizing an identity matrix with the
 node's own attributes along that one axis (which reproduces every mode — nearest with any
 ``nearest_mode``, linear, cubic, antialias — and every ``coordinate_transformation_mode`` exactly), and
-backpropagates with ``dx = R^T dy`` per axis as one MatMul each.
+backpropagates with ``dx = R^T dy`` per axis as one MatMul each (an axis before the last two, as the
+depth of a rank-5 input, flattens the axes after it into one for its MatMul and unflattens after).
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def _axis_matrix_t(g: GradContext, x: ir.Value, y: ir.Value, axis: int, rank: in
 def grad_resize(g: GradContext):
     x, y, dy = g.inputs[X], g.outputs[0], g.dy[0]
     rank = g.rank(x)
-    if rank not in (3, 4):
-        raise _unsupported(g, f"inputs of rank {rank} (ranks 3 and 4 are supported)")
+    if rank not in (3, 4, 5):
+        raise _unsupported(g, f"inputs of rank {rank} (ranks 3 to 5 are supported)")
     if g.attr("coordinate_transformation_mode", "half_pixel") == "tf_crop_and_resize":
         raise _unsupported(g, "coordinate_transformation_mode='tf_crop_and_resize'")
     if g.attr("axes") is not None:
@@ -79,6 +80,13 @@ def grad_resize(g: GradContext):
         rt = _axis_matrix_t(g, x, y, axis, rank, use_sizes, scales)  # [n_in, n_out]
         if axis == rank - 1:
             dx = b.MatMul(dx, b.Transpose(rt, perm=[1, 0]))  # [..., n_out] @ [n_out, n_in]
-        else:  # axis == rank - 2
+        elif axis == rank - 2:
             dx = b.MatMul(rt, dx)  # [n_in, n_out] @ [..., n_out, W]
+        else:  # the axes after `axis` as one: [..., n_out, H * W], then back to [..., n_in, H, W]
+            shape = b.Shape(dx)
+            lead, trail = b.Slice(shape, b.ints([0]), b.ints([axis])), b.Slice(shape, b.ints([axis + 1]),
+                                                                              b.ints([rank]))
+            n_out = b.Slice(shape, b.ints([axis]), b.ints([axis + 1]))
+            flat = b.MatMul(rt, b.Reshape(dx, b.Concat(lead, n_out, b.ints([-1]), axis=0)))
+            dx = b.Reshape(flat, b.Concat(lead, b.ints([-1]), trail, axis=0))
     return (dx,)

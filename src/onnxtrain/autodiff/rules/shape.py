@@ -357,6 +357,8 @@ def grad_scatter_nd(g: GradContext):
 def grad_scatter_elements(g: GradContext):
     if g.attr("reduction", "none") in ("min", "max"):
         return _grad_scatter_elements_extreme(g)
+    if g.attr("reduction", "none") == "mul":
+        return _grad_scatter_elements_mul(g)
     indices, updates, dy = g.inputs[1], g.inputs[2], g.dy[0]
     reduction = _scatter_reduction(g, also=("min", "max"))
     axis = g.attr("axis", 0)
@@ -387,6 +389,31 @@ def _grad_scatter_elements_extreme(g: GradContext):
     share = b.Div(dy, b.ScatterElements(counted, indices, updates_is, axis=axis, reduction="add"))
     d_data = b.Mul(data_is, share) if g.needs[0] else None
     d_updates = b.Mul(updates_is, b.GatherElements(share, indices, axis=axis)) if g.needs[2] else None
+    return d_data, None, d_updates
+
+
+def _grad_scatter_elements_mul(g: GradContext):
+    """``reduction="mul"`` (``scatter_reduce``/``index_reduce`` with ``"prod"``): each factor's gradient is the
+    output's times the product of the other factors at its position, exact with zeros (PyTorch's rule): an
+    update that is the only zero at its position takes the product of the rest, any other update at a position
+    with a zero takes 0, and the rest take ``y / update``. ``data`` takes the product of the updates."""
+    b, data, indices, updates, dy = g.b, g.inputs[0], g.inputs[1], g.inputs[2], g.dy[0]
+    axis = g.attr("axis", 0)
+    zero, one = b.scalar(0.0, updates), b.scalar(1.0, updates)
+    d_data = d_updates = None
+    if g.needs[0]:
+        ones = b.Add(g.zeros_like(data), one)
+        d_data = b.Mul(dy, b.ScatterElements(ones, indices, updates, axis=axis, reduction="mul"))
+    if g.needs[2]:
+        is_zero = b.Equal(updates, zero)
+        nonzero = b.Where(is_zero, one, updates)
+        zeros = b.GatherElements(b.ScatterElements(g.zeros_like(data), indices, b.CastLike(is_zero, updates),
+                                                   axis=axis, reduction="add"), indices, axis=axis)
+        rest = b.GatherElements(b.ScatterElements(data, indices, nonzero, axis=axis, reduction="mul"), indices,
+                                axis=axis)  # data times the non-zero updates at each update's position
+        others = b.Where(is_zero, b.Where(b.Equal(zeros, one), rest, zero),
+                         b.Where(b.Equal(zeros, zero), b.Div(rest, nonzero), zero))
+        d_updates = b.Mul(b.GatherElements(dy, indices, axis=axis), others)
     return d_data, None, d_updates
 
 
