@@ -1,7 +1,7 @@
-"""``index_reduce`` (every reduction), ``scatter_reduce(reduce="prod")`` and ``put`` against eager PyTorch, forward
-and gradients, beyond the OpInfo sweep's samples (whose first two are 0-d): zeros among the factors (one and two
-at a position, and in ``self``), repeated and unreached indices, negative ``dim`` and positions, both
-``include_self``."""
+"""``index_reduce`` (every reduction), ``scatter_reduce(reduce="prod")``, ``put`` and ``diagonal_scatter`` against
+eager PyTorch, forward and gradients, beyond the OpInfo sweep's samples (whose first two are 0-d): zeros among the
+factors (one and two at a position, and in ``self``), repeated and unreached indices, negative ``dim`` and
+positions, both ``include_self``, diagonals of any two axes, off the main one and empty."""
 
 from __future__ import annotations
 
@@ -84,3 +84,10 @@ def test_put(accumulate):
     index = torch.tensor([[0, -2, 7], [23, 5, -20]]) if not accumulate else torch.tensor([[3, 3, -1], [23, 0, 3]])
     check(lambda s, i, src: s.put(i, src, accumulate=accumulate), torch.randn(2, 3, 4), index,
           torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("offset,dim1,dim2", [(0, 0, 1), (2, 0, 2), (-1, 2, 0), (1, -1, -3), (-3, 1, 2), (6, 0, 2)])
+def test_diagonal_scatter(offset, dim1, dim2):
+    self_ = torch.randn(3, 4, 5)
+    src = torch.randn_like(torch.diagonal(self_, offset, dim1, dim2))  # empty for offset 6
+    check(lambda s, d: torch.diagonal_scatter(s, d, offset, dim1, dim2), self_, src)

@@ -28,6 +28,7 @@
 - ``aten.cumprod``, ``aten.cummax``, ``aten.cummin``: each prefix reduced over a masked new axis (:mod:`.scans`).
 - ``aten.median``, ``aten.nanmedian``, ``aten.kthvalue``: an index of the sorted axis (:mod:`.order_stats`).
 - ``aten.put``: a ``ScatterElements`` over the flattened tensor (:mod:`.put`).
+- ``aten.diagonal_scatter``: a ``Where`` over the diagonal's cells (:mod:`.diagonal_scatter`).
 - ``aten.atleast_1d/2d/3d.Sequence`` (``hstack``, ``vstack``, ``dstack``, ``column_stack``): one reshape per
   tensor, not an ONNX sequence that no gradient rule differentiates (:mod:`.sequences`).
 - ``aten.divide.Tensor`` / ``aten.true_divide.Tensor`` of a float and an integer tensor: the integer one cast
@@ -49,6 +50,7 @@ from onnxtrain.capture.amax import amax, amin
 from onnxtrain.capture.attention import scaled_dot_product_attention
 from onnxtrain.capture.batchnorm import batch_norm_functional, native_batch_norm
 from onnxtrain.capture.cross_entropy import cross_entropy_loss
+from onnxtrain.capture.diagonal_scatter import diagonal_scatter
 from onnxtrain.capture.divide import divide
 from onnxtrain.capture.elementwise import copysign, fmax, fmin, hypot
 from onnxtrain.capture.gamma import digamma, lgamma, mvlgamma, polygamma
@@ -136,6 +138,7 @@ TRANSLATIONS = {
     torch.ops.aten.nanmedian.dim: nanmedian_dim,
     torch.ops.aten.kthvalue.default: kthvalue,
     torch.ops.aten.put.default: put,
+    torch.ops.aten.diagonal_scatter.default: diagonal_scatter,
     torch.ops.aten.pad.default: pad,
     torch.ops.aten.fmax.default: fmax,
     torch.ops.aten.fmin.default: fmin,
