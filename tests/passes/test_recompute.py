@@ -201,3 +201,29 @@ def test_knobs_parse_and_bad_values_say_what_to_use(tmp_path):
         from_env({"ORTMODULE_MEMORY_OPT_CONFIG": "Add+:0:-1"})
     with pytest.raises(ValueError, match="ORTMODULE_MEMORY_OPT_LEVEL"):
         from_env({"ORTMODULE_MEMORY_OPT_LEVEL": "3"})
+
+
+def test_a_small_value_is_not_recomputed_through_a_large_recomputation():
+    """``z = y * y`` with ``y = Tanh(Gather(Exp(x * x), 0))``: once ``Exp``'s output (batch x 8) is recomputed, recomputing
+    the one row ``y`` too would redo ``Exp`` for it (a chain making 2 + 2 * batch times the bytes it
+    saves), sharing the recomputed ``Exp`` with a gradient node far from ``y``'s. ``y`` stays stashed,
+    and the gradients are unchanged."""
+    f = TensorProto.FLOAT
+    batch = 64
+    nodes = [helper.make_node("Mul", ["x", "x"], ["a"]), helper.make_node("Exp", ["a"], ["e"]),
+             helper.make_node("Gather", ["e", "zero"], ["s"], axis=0), helper.make_node("Tanh", ["s"], ["y"]), helper.make_node("Mul", ["y", "y"], ["z"])]
+    graph = helper.make_graph(nodes, "row", [helper.make_tensor_value_info("x", f, ["batch", HIDDEN])],
+                              [helper.make_tensor_value_info("z", f, [HIDDEN])],
+                              initializer=[helper.make_tensor("zero", TensorProto.INT64, [], [0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    training = gradient_model(model, wrt=["x"])
+    x = RNG.standard_normal((batch, HIDDEN)).astype(np.float32) / 2
+    dy = RNG.standard_normal(HIDDEN).astype(np.float32)
+    want = _run(training, [x, dy])
+    ir_model = ir.from_proto(training)
+    recompute = RecomputePass(num_forward_outputs=1, plan=Recompute(budget=0.0), dims={"batch": batch})
+    recompute(ir_model)
+    for got, expected in zip(_run(ir_model, [x, dy]), want):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    on = {c.node.op_type: c.on for c in recompute.plan.candidates}
+    assert on.get("Exp") is True and on.get("Tanh") is False, [(c.pattern, c.on) for c in recompute.plan.candidates]

@@ -74,6 +74,7 @@ class Training:
     freq_scaled: set[int] = field(default_factory=set)
     backward_stages: int = 1
     recompute: RecomputePlan | None = None  # what backward recomputes instead of stashing, and the bytes
+    dims: dict[str, int] | None = None  # sizes of the symbolic dims at build time: stage cuts by liveness
     # Keyed by which differentiable outputs have a gradient. None: those cannot be pruned, so the full
     # graph runs with zeros fed for them.
     _backward: dict[tuple[bool, ...], StagedSession | None] = field(default_factory=dict)
@@ -98,7 +99,7 @@ class Training:
             logger.info("built a backward graph without the output gradients %s", absent)
         proto = ir.to_proto(pipeline.ortmodule_backward()(ir.from_proto(proto)))
         try:
-            staged = stage_graph(proto, input_bytes, self.backward_stages, MIN_STAGE_BYTES)
+            staged = stage_graph(proto, input_bytes, self.backward_stages, MIN_STAGE_BYTES, self.dims)
         except CannotStage as exc:
             logger.info("backward runs as one graph: %s", exc)
             staged = one_stage(proto)
@@ -211,7 +212,8 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     state = {graphs.num_inputs + i: name for i, name in enumerate(graphs.state_names)}
     padding_ids, zero_rows, freq_scaled = _lookup_rules(graphs, [state.get(pos) for pos in wrt], row_scatters)
     return Training(graphs._session(forward), backward, split, wrt, diff_outputs, graphs._session, row_scatters,
-                    padding_ids, zero_rows, freq_scaled, backward_stages(), training_passes.step("recompute").plan)
+                    padding_ids, zero_rows, freq_scaled, backward_stages(), training_passes.step("recompute").plan,
+                    dims or None)
 
 
 def _lookup_rules(graphs: SchemaGraphs, names: list[str | None],

@@ -62,6 +62,11 @@ LEVEL_ENV = "ORTMODULE_MEMORY_OPT_LEVEL"
 CONFIG_ENV = "ORTMODULE_MEMORY_OPT_CONFIG"
 # Up to a transformer layer's attention block (projections, masks, softmax) from the values stashed anyway.
 MAX_SUBGRAPH_NODES = 32
+# A recomputation may make at most this many times the bytes it saves. Without it, BERT-small's pooler
+# input (one token a sequence, 32 KB) grew back through the whole last layer once that layer was
+# recomputed: the layer ran at the front of backward, and its recomputed values, shared with the layer's
+# own gradient nodes, stayed alive from there (budget 0 peaked above budget 0.25).
+MAX_MADE_PER_SAVED = 8
 
 # Kinds, cheapest first. Cost per output element of each op in the first two; matrix products by flops.
 LAYOUT = frozenset({"Transpose", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast", "Identity", "Constant",
@@ -462,7 +467,7 @@ def _take(plan: Plan, ranked: list[Candidate], target: float, stashed: list[ir.V
             continue
         trial = stash - set(c.outputs)
         grown = [_allowed_subgraph(d.node, trial, leaves, allowed) for d in (*on, c)]
-        if any(g is None for g in grown):
+        if any(g is None or _made(g[0], dims) > MAX_MADE_PER_SAVED * d.saved for d, g in zip((*on, c), grown)):
             continue
         for d, (nodes, kind) in zip((*on, c), grown):
             nodes.sort(key=order.get)
@@ -472,6 +477,11 @@ def _take(plan: Plan, ranked: list[Candidate], target: float, stashed: list[ir.V
         on.append(c)
         stash = trial
         left -= c.saved
+
+
+def _made(nodes: list[ir.Node], dims: Mapping[str, int]) -> int:
+    """The bytes a subgraph's nodes make when it is recomputed."""
+    return sum(_size(v, dims) for n in nodes for v in n.outputs)
 
 
 def _allowed_subgraph(node: ir.Node, stash: set[ir.Value], leaves: set[ir.Value],
