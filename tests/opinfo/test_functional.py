@@ -66,3 +66,34 @@ def test_interpolate_rank5(mode, align_corners):
     assert_matches_eager(lambda t: F.interpolate(t, size=(5, 3, 4), mode=mode, align_corners=align_corners), [x])
     assert_matches_eager(lambda t: F.interpolate(t, scale_factor=(1.5, 2.0, 0.5), mode=mode,
                                                  align_corners=align_corners), [x])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("smoothing", [0.0, 0.3])
+def test_cross_entropy_class_indices_label_smoothing(smoothing, weighted, reduction):
+    """label_smoothing was dropped by the exporter's translation (0.886 for eager's 1.217, no fallback)."""
+    x = torch.randn(4, 5, 3)
+    target = torch.tensor([[0, 3, 1], [4, -100, 2], [1, 1, -100], [2, 0, 4]])  # with ignore_index's default
+    weight = torch.rand(5) + 0.5 if weighted else None
+    assert_matches_eager(lambda t, y: F.cross_entropy(t, y, weight=weight, reduction=reduction,
+                                                      label_smoothing=smoothing), [x, target])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_cross_entropy_probability_targets(smoothing, weighted, reduction):
+    """Probability targets made an invalid graph; the target's gradient is compared too."""
+    x = torch.randn(3, 4, 2)
+    target = torch.softmax(torch.randn(3, 4, 2), dim=1)
+    weight = torch.rand(4) + 0.5 if weighted else None
+    assert_matches_eager(lambda t, p: F.cross_entropy(t, p, weight=weight, reduction=reduction,
+                                                      label_smoothing=smoothing), [x, target])
+
+
+@pytest.mark.parametrize("probabilities", [False, True])
+def test_cross_entropy_unbatched_with_smoothing(probabilities):
+    target = torch.softmax(torch.randn(6), dim=0) if probabilities else torch.tensor(2)
+    assert_matches_eager(lambda t, y: F.cross_entropy(t, y, reduction="none", label_smoothing=0.1),
+                         [torch.randn(6), target])

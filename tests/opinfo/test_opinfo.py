@@ -19,7 +19,6 @@ from tests.opinfo import harness
 _BOTH = {
     "squeeze": "OutputShapeError",  # squeeze() of a size-1 axis exported as dynamic
     "index_select": "OutputShapeError",  # a 0-d input
-    "nn.functional.cross_entropy": "NegativeLogLikelihoodLoss",  # class-probability targets
 }
 EXPECTED_FALLBACK: dict[tuple[str, str], str] = {
     **{(op, mode): why for op, why in _BOTH.items() for mode in harness.MODES},

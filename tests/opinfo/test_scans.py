@@ -10,15 +10,7 @@ import pytest
 import torch
 
 from onnxtrain import ORTModule
-
-
-class _Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
+from tests.opinfo.test_shape_indexing import _Fn  # the function as a module, its tensors as inputs
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
 // Where a bench model's step goes in onnxruntime-web (Node, WebAssembly): the training and the optimizer
 // session's `run` timed apart, and, with --ops, onnxruntime's own per-node profile (enableProfiling) as the
 // median time of each node over the runs, summed by op type. A Scan node's time includes its body's nodes.
+// profile_python.py prints the same for Python onnxruntime's training step.
 //   node bench/profile.mjs bench/mlp-web/ [--ops] [--threads N] [--steps N]
 import { execFileSync } from 'node:child_process';
 import { readFileSync } from 'node:fs';
@@ -69,6 +70,8 @@ if (values.ops && process.env.ONNXTRAIN_PROFILE_CHILD) {
     for (const n of nodes) byOp.set(n.op, (byOp.get(n.op) ?? 0) + n.ms);
     console.log(`\n${what}: ops by time (ms per run, median per node)`);
     for (const [op, ms] of [...byOp].sort((a, b) => b[1] - a[1]).slice(0, 12)) console.log(`  ${op.padEnd(22)} ${ms.toFixed(2)}`);
+    const products = ['MatMul', 'FusedMatMul', 'Gemm', 'FusedGemm'];
+    console.log(`${what}: matrix products (${products.join(', ')}) ${products.reduce((t, o) => t + (byOp.get(o) ?? 0), 0).toFixed(2)} ms`);
     console.log(`${what}: slowest nodes`);
     for (const n of nodes.slice(0, 10)) console.log(`  ${n.ms.toFixed(2).padStart(8)}  ${n.name.slice(0, 60)} ${n.shapes.slice(0, 90)}`);
   }

@@ -380,7 +380,7 @@ def add_gradient_outputs(model: ir.Model, wrt: Sequence[ir.Value], outputs: Sequ
     """
     graph = model.graph
     out_names = [grad_name(n) for n in (names if names is not None else [v.name for v in wrt])]
-    builder = GraphBuilder(taken_names=reserve_names(graph, out_names))
+    builder = GraphBuilder(taken_names=reserve_names(graph, out_names), opset=_graph_opsets(graph).get("", MIN_OPSET))
     if seeds is None:
         seeds = [builder.const(np.ones((), dtype=v.dtype.numpy())) for v in outputs]
     grads = build_gradients(graph, wrt, outputs, seeds, builder)

@@ -16,6 +16,8 @@
   inputs included (:mod:`.adaptive_pool`).
 - ``aten.fmax``, ``aten.fmin``, ``aten.copysign``, ``aten.hypot``: ``Where`` over PyTorch's comparisons (the
   exporter lowers them to prims it cannot translate; :mod:`.elementwise`).
+- ``aten.cross_entropy_loss`` with ``label_smoothing`` (the exporter dropped it) or probability targets
+  (:mod:`.cross_entropy`).
 - ``aten.lgamma``, ``aten.digamma``, ``aten.polygamma``, ``aten.mvlgamma``: recurrence, asymptotic series and
   reflection in ordinary ops, so their gradients are the family's next function (:mod:`.gamma`).
 - ``aten.grid_sampler(_2d/_3d)`` (``grid_sample``), bilinear and nearest: gathers of the input's corners, weighted,
@@ -47,6 +49,7 @@ from onnxtrain.capture.adaptive_pool import adaptive_avg_pool3d, adaptive_max_po
 from onnxtrain.capture.amax import amax, amin
 from onnxtrain.capture.attention import scaled_dot_product_attention
 from onnxtrain.capture.batchnorm import batch_norm_functional, native_batch_norm
+from onnxtrain.capture.cross_entropy import cross_entropy_loss
 from onnxtrain.capture.diagonal_scatter import diagonal_scatter
 from onnxtrain.capture.divide import divide
 from onnxtrain.capture.elementwise import copysign, fmax, fmin, hypot
@@ -141,6 +144,7 @@ TRANSLATIONS = {
     torch.ops.aten.fmin.default: fmin,
     torch.ops.aten.copysign.Tensor: copysign,
     torch.ops.aten.hypot.default: hypot,
+    torch.ops.aten.cross_entropy_loss.default: cross_entropy_loss,
     torch.ops.aten.lgamma.default: lgamma,
     torch.ops.aten.digamma.default: digamma,
     torch.ops.aten.polygamma.default: polygamma,

@@ -63,19 +63,11 @@ class _Graph:
 
 def _branch(g: _Graph, a_name: str, b_name: str):
     """(Add node, index of its base input, base weight name, scaling) of the adapter pair, or a reason."""
-    t_a = g.only_reader(a_name, "Transpose")
-    mm_a = t_a and g.only_reader(t_a.output[0], "MatMul")
-    if not mm_a or mm_a.input[1] != t_a.output[0]:
-        return f"{a_name} is not read as MatMul(x, Transpose(A))"
-    x = mm_a.input[0]
-    mm_b = g.only_reader(mm_a.output[0], "MatMul")
-    t_b = mm_b and g.transposed_by(mm_b.input[1])
-    if not mm_b or not t_b or t_b.input[0] != b_name or mm_b.input[0] != mm_a.output[0]:
-        return f"x A^T is not multiplied by Transpose({b_name})"
-    found = _scaled_sum(g, mm_b.output[0])
+    found = _adapter_product(g, a_name, b_name, "MatMul")
     if isinstance(found, str):
         return found
-    add, base_index, scaling = found
+    mm_a, add, base_index, scaling = found
+    x = mm_a.input[0]
     base = g.producer.get(add.input[base_index])
     if base is not None and base.op_type == "Add":  # a bias after the product
         base = next((g.producer[i] for i in base.input if i in g.producer and g.producer[i].op_type == "MatMul"), None)
@@ -83,6 +75,23 @@ def _branch(g: _Graph, a_name: str, b_name: str):
     if not w_name:
         return "the base layer is not MatMul(x, Transpose(W)) or Gemm(x, W, transB=1) of the adapters' input x"
     return add, base_index, w_name, scaling
+
+
+def _adapter_product(g: _Graph, a_name: str, b_name: str, op: str):
+    """(the ``op`` node reading ``Transpose(A)``, then :func:`_scaled_sum`'s three) for the adapters'
+    product ``s * op(x, A^T) B^T`` (``op``: "MatMul" ``x A^T``, or "Gather" the rows ``ids`` of ``A^T``),
+    or a reason."""
+    t_a = g.only_reader(a_name, "Transpose")
+    first = t_a and g.only_reader(t_a.output[0], op)
+    if not first or first.input[1 if op == "MatMul" else 0] != t_a.output[0]:
+        return f"{a_name} is not read as " + ("MatMul(x, Transpose(A))" if op == "MatMul" else "Gather(Transpose(A), ids)")
+    mm = g.only_reader(first.output[0], "MatMul")
+    t_b = mm and g.transposed_by(mm.input[1])
+    if not mm or not t_b or t_b.input[0] != b_name or mm.input[0] != first.output[0]:
+        what = "x A^T" if op == "MatMul" else "the gathered rows of A^T"
+        return f"{what} is not multiplied by Transpose({b_name})"
+    found = _scaled_sum(g, mm.output[0])
+    return found if isinstance(found, str) else (first, *found)
 
 
 def _scaled_sum(g: _Graph, out: str):
@@ -102,18 +111,10 @@ def _scaled_sum(g: _Graph, out: str):
 
 def _embedding_branch(g: _Graph, a_name: str, b_name: str):
     """As :func:`_branch` for PEFT's embedding adapters: ``Gather(W, ids) + s * Gather(A^T, ids) B^T``."""
-    t_a = g.only_reader(a_name, "Transpose")
-    gather_a = t_a and g.only_reader(t_a.output[0], "Gather")
-    if not gather_a or gather_a.input[0] != t_a.output[0]:
-        return f"{a_name} is not read as Gather(Transpose(A), ids)"
-    mm = g.only_reader(gather_a.output[0], "MatMul")
-    t_b = mm and g.transposed_by(mm.input[1])
-    if not mm or not t_b or t_b.input[0] != b_name or mm.input[0] != gather_a.output[0]:
-        return f"the gathered rows of A^T are not multiplied by Transpose({b_name})"
-    found = _scaled_sum(g, mm.output[0])
+    found = _adapter_product(g, a_name, b_name, "Gather")
     if isinstance(found, str):
         return found
-    add, base_index, scaling = found
+    gather_a, add, base_index, scaling = found
     base = g.producer.get(add.input[base_index])
     axis = base is not None and next((helper.get_attribute_value(a) for a in base.attribute if a.name == "axis"), 0)
     if base is None or base.op_type != "Gather" or axis != 0 or base.input[1] != gather_a.input[1]:
