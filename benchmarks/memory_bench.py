@@ -41,6 +41,9 @@ from ortmodule_bench import make_workload  # noqa: E402
 
 BUDGETS = ("eager", "none", "1.0", "0.75", "0.5", "0.25", "0.0")
 ARTIFACTS_ENV = "MEMORY_BENCH_ARTIFACTS"  # where the parent put the on-device artifacts, one folder a budget
+# A rise in peak RSS smaller than this is not counted: GPT-2-small at 4x keeps the same plan (480.7 MB of stash)
+# at budgets 0.5, 0.25 and 0.0, and its peaks, all 1746 MB when rounded, still differed by a fraction of a MB.
+RSS_NOISE_MB = 1.0
 # "malloc": onnxruntime without its arena and glibc with a fixed mmap threshold, so that every buffer of
 # 64 KiB or more (torch's and onnxruntime's alike) is returned to the system when freed: RSS between steps
 # is then what stays alive (weights, gradients, optimizer state), and the peak above it is the step's.
@@ -285,7 +288,8 @@ def targets(med: dict[str, dict]) -> list[str]:
         lines.append(row(f"smallest budget {smallest}: >= 70% lower, <= 35% slower", less >= 0.70 and slower <= 0.35,
                          f"{less:.0%} lower, {slower:+.0%} step time"))
     peaks = [med[b]["process_peak_mb"] for b in budgets]
-    rises = [f"{a}->{b}" for a, b, pa, pb in zip(budgets, budgets[1:], peaks, peaks[1:]) if pb > pa]
+    rises = [f"{a}->{b} (+{pb - pa:.1f} MB)" for a, b, pa, pb in zip(budgets, budgets[1:], peaks, peaks[1:])
+             if pb > pa + RSS_NOISE_MB]
     lines.append(row(f"peak RSS never rises as the budget falls ({len(budgets)} budgets)", not rises,
                      " ".join(f"{b}:{p:.0f}MB" for b, p in zip(budgets, peaks))
                      + (f"; rises at {', '.join(rises)}" if rises else "")))
