@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import onnx_ir as ir
 from onnxscript import opset18 as op
+
+from onnxtrain.capture.constants import int64 as _int
 
 
 def adaptive_max_pool2d(self, output_size: Sequence[int]):
@@ -63,7 +64,3 @@ def _adaptive_pool(x, output_size: list[int], with_indices: bool):
         if with_indices:
             index = op.Concat(*positions, axis=axis)
     return (x, index) if with_indices else x
-
-
-def _int(values: list[int]):
-    return op.Constant(value=ir.tensor(values, dtype=ir.DataType.INT64))

@@ -18,9 +18,11 @@ An unbatched input (``[C]``) gets a batch of one for the computation.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 from onnxscript import opset18 as op
+
+from onnxtrain.capture.constants import int64 as _int
+from onnxtrain.capture.constants import scalar_like as _like
 
 _NONE, _MEAN, _SUM = 0, 1, 2
 
@@ -72,11 +74,3 @@ def cross_entropy_loss(self, target, weight=None, reduction: int = _MEAN, ignore
     if unbatched and reduction == _NONE:
         loss = op.Squeeze(loss, _int([0]))
     return loss
-
-
-def _like(value: float, like):
-    return op.CastLike(op.Constant(value=ir.tensor(np.array(value, dtype=np.float32))), like)
-
-
-def _int(value):
-    return op.Constant(value=ir.tensor(value, dtype=ir.DataType.INT64))

@@ -19,14 +19,10 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
-import onnx_ir as ir
 from onnxscript import opset18 as op
 
-
-def _scalar(value: float, like):
-    return op.CastLike(op.Constant(value=ir.tensor(np.array(value, dtype=np.float32))), like)
+from onnxtrain.capture.constants import scalar_like as _scalar
 
 
 @functools.cache

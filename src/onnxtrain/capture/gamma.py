@@ -26,8 +26,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import onnx_ir as ir
 from onnxscript import opset18 as op
+
+from onnxtrain.capture.constants import scalar_like as _like
 
 SHIFT = 8
 _BERNOULLI = (1 / 6, -1 / 30, 1 / 42, -1 / 30, 5 / 66)  # B_2, B_4, ..., B_10
@@ -157,7 +158,3 @@ def _sum(terms):
     for t in terms:
         out = t if out is None else op.Add(out, t)
     return out
-
-
-def _like(value: float, like):
-    return op.CastLike(op.Constant(value=ir.tensor(np.array(value, dtype=np.float32))), like)

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import onnx_ir as ir
 from onnxscript import opset18 as op
+
+from onnxtrain.capture.constants import int64 as _int
+from onnxtrain.capture.constants import scalar_like as _like
 
 _BILINEAR, _NEAREST = 0, 1
 _ZEROS, _BORDER, _REFLECTION = 0, 1, 2
@@ -137,11 +139,3 @@ def _reflect(position, low, high):
                     _like(0.0, flips))
     folded = op.Where(even, op.Add(extra, low), op.Sub(high, extra))
     return op.Where(op.Equal(span, _like(0.0, span)), _like(0.0, span), folded)
-
-
-def _like(value: float, like):
-    return op.CastLike(op.Constant(value=ir.tensor(np.array(value, dtype=np.float32))), like)
-
-
-def _int(value):
-    return op.Constant(value=ir.tensor(value, dtype=ir.DataType.INT64))

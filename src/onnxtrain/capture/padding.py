@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import onnx_ir as ir
 from onnxscript import opset18 as op
+
+from onnxtrain.capture.constants import int64 as _int
 
 
 def pad(self, pad: Sequence[int], mode: str = "constant", value: float | None = None):
@@ -51,11 +52,6 @@ def _positions(x, axis: int, before: int, after: int, mode: str):
     kept = op.Sub(size, _int(cut_before + cut_after))
     raw = op.Range(_int(-max(before, 0)), op.Add(kept, _int(max(after, 0))), _int(1))
     return op.Add(op.Mod(raw, kept), _int(cut_before))  # integer Mod takes the divisor's sign: in [0, m)
-
-
-def _int(value):
-    """An int64 constant: a scalar for an int, 1-D for a list."""
-    return op.Constant(value=ir.tensor(value, dtype=ir.DataType.INT64))
 
 
 def _onnx_pad(self, pad, mode: str, value):
