@@ -119,7 +119,7 @@ def worker(workload: str, budget: str, steps: int, scale: int, threads: int) -> 
         if runner.fallback_reason is not None:
             raise RuntimeError(f"ORTModule fell back to PyTorch: {runner.fallback_reason}")
         plans = [t.recompute for entries in runner._cache.values() for g in entries for t in g.training.values()]
-        kept = sum(p.stashed_bytes - p.saved_bytes for p in plans if p is not None) / 2**20
+        kept = sum(p.kept_bytes for p in plans if p is not None) / 2**20
         peaks = [p.peak_bytes for p in plans if p is not None and p.peak_bytes is not None]
         modelled = max(peaks) / 2**20 if peaks else None
     return {"workload": workload, "budget": budget, **measured, "process_peak_mb": peak_rss_mb(), "kept_mb": kept,

@@ -231,3 +231,43 @@ def test_a_small_value_is_not_recomputed_through_a_large_recomputation():
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     on = {c.node.op_type: c.on for c in recompute.plan.candidates}
     assert on.get("Exp") is True and on.get("Tanh") is False, [(c.pattern, c.on) for c in recompute.plan.candidates]
+
+
+def test_a_recomputation_reads_a_small_mask_from_the_stash_instead_of_its_long_chain():
+    """``z = y * y``, ``y = Tanh(x + Where(mask, 0, -1))``, the boolean mask made from an int64 input by a
+    chain of 40 ops (as BERT's attention mask is, by 23). Recomputing ``y`` would redo that chain, more
+    than MAX_SUBGRAPH_NODES nodes; it stops at the mask instead, which the split stashes (one byte an
+    element, against four for ``y``) and ``Plan.kept_bytes`` counts. Gradients as numpy's."""
+    f = TensorProto.FLOAT
+    batch, chain = 16, 40
+    nodes = [helper.make_node("Cast", ["keep"], ["c0"], to=TensorProto.BOOL)]
+    nodes += [helper.make_node("Not", [f"c{k}"], [f"c{k + 1}"]) for k in range(chain)]
+    nodes += [helper.make_node("Where", [f"c{chain}", "zero", "minus_one"], ["bias"]),
+              helper.make_node("Add", ["x", "bias"], ["a"]), helper.make_node("Tanh", ["a"], ["y"]),
+              helper.make_node("Mul", ["y", "y"], ["z"])]
+    graph = helper.make_graph(
+        nodes, "masked",
+        [helper.make_tensor_value_info("x", f, ["batch", HIDDEN]),
+         helper.make_tensor_value_info("keep", TensorProto.INT64, ["batch", HIDDEN])],
+        [helper.make_tensor_value_info("z", f, ["batch", HIDDEN])],
+        initializer=[helper.make_tensor("zero", f, [], [0.0]), helper.make_tensor("minus_one", f, [], [-1.0])])
+    training = gradient_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9),
+                              wrt=["x"])
+    x = RNG.standard_normal((batch, HIDDEN)).astype(np.float32)
+    keep = RNG.integers(0, 2, (batch, HIDDEN)).astype(np.int64)
+    dz = RNG.standard_normal((batch, HIDDEN)).astype(np.float32)
+    y = np.tanh(x + np.where(keep != 0, 0.0, -1.0)).astype(np.float32)  # an even number of Nots
+    model = ir.from_proto(training)
+    recompute = RecomputePass(num_forward_outputs=1, plan=Recompute(budget=0.0), dims={"batch": batch})
+    recompute(model)
+    on = {c.node.op_type: c.on for c in recompute.plan.candidates}
+    assert on.get("Tanh") is True, [(c.pattern, c.on) for c in recompute.plan.candidates]
+    split = split_forward_backward(model, num_forward_outputs=1, num_output_grads=1)
+    stashed = [list(split.forward.graph.outputs)[i] for i in split.stashed_outputs]
+    assert [v.dtype for v in stashed] == [ir.DataType.BOOL], [(v.name, v.dtype) for v in stashed]
+    assert recompute.plan.kept_bytes == _stashed_bytes(split, {"batch": batch}) == batch * HIDDEN
+    outs = _run(split.forward, [x, keep])
+    np.testing.assert_allclose(outs[0], y * y, rtol=1e-5, atol=1e-6)
+    (dx,) = _run(split.backward, [dz] + [outs[i] for i in split.stashed_outputs]
+                 + [[x, keep][j] for j in split.reused_inputs])
+    np.testing.assert_allclose(dx, dz * 2 * y * (1 - y * y), rtol=1e-4, atol=1e-5)

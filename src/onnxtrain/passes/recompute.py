@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
+from onnxtrain.passes.liveness import ALIAS_OPS
 from onnxtrain.passes.peak import PeakModel
 from onnxtrain.passes.split_forward_backward import ancestors
 
@@ -71,6 +72,11 @@ MAX_SUBGRAPH_NODES = 32
 # recomputed: the layer ran at the front of backward, and its recomputed values, shared with the layer's
 # own gradient nodes, stayed alive from there (budget 0 peaked above budget 0.25).
 MAX_MADE_PER_SAVED = 8
+# A recomputation stops at a forward value that is not floating point (a mask, indices) of at most this many
+# bytes: it is stashed instead. BERT's attention mask is a chain of 23 integer and boolean ops from the input
+# mask; recomputed inside every layer's attention subgraph it took most of MAX_SUBGRAPH_NODES, and the
+# query, key and value projections could not be recomputed after it (their 4 MB each stayed stashed).
+MAX_KEPT_MASK_BYTES = 2**20
 
 # Kinds, cheapest first. Cost per output element of each op in the first two; matrix products by flops.
 LAYOUT = frozenset({"Transpose", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast", "Identity", "Constant",
@@ -274,6 +280,9 @@ class Plan:
     # and with this plan; None where not modelled.
     base_peak_bytes: int | None = None
     peak_bytes: int | None = None
+    # What the split stashes with this plan: the values not recomputed, and the masks and indices that the
+    # recomputations read (MAX_KEPT_MASK_BYTES); None until the pass has cloned.
+    kept_bytes: int | None = None
 
     @property
     def saved_bytes(self) -> int:
@@ -286,6 +295,8 @@ class Plan:
             rows.setdefault(c.pattern, []).append(c)
         lines = [f"recompute plan: {self.saved_bytes / 2**20:.1f} of {self.stashed_bytes / 2**20:.1f} MiB of "
                  f"stashed activations recomputed ({len(self.candidates)} candidates)"]
+        if self.kept_bytes is not None:
+            lines.append(f"  stash kept: {self.kept_bytes / 2**20:.1f} MiB")
         if self.peak_bytes is not None and self.base_peak_bytes is not None:
             lines.append(f"  modelled peak of a step: {self.peak_bytes / 2**20:.1f} MiB "
                          f"({self.base_peak_bytes / 2**20:.1f} MiB without recompute)")
@@ -322,12 +333,13 @@ class RecomputePass(ir.passes.InPlacePass):
         clones = _Clones(graph, forward, leaves)
         modified = clones.layout_chains()
         stashed = _stashed(graph, forward, leaves)
-        # Layout chains from leaves are redone whatever the plan: for a candidate they are leaves too.
-        candidates = _candidates(stashed, forward, leaves | set(clones.of), set(fwd_outputs), order, self.dims,
-                                 self.options.kinds)
+        # Layout chains from leaves are redone whatever the plan: for a candidate they are leaves too, and so
+        # are small masks and indices, which a recomputation reads from the stash.
+        bounds = leaves | set(clones.of) | _masks(forward, self.dims)
+        candidates = _candidates(stashed, forward, bounds, set(fwd_outputs), order, self.dims, self.options.kinds)
         plan = Plan(candidates, sum(_size(v, self.dims) for v in stashed if v not in fwd_outputs))
         model_peak = PeakModel(graph, forward, lambda v: _size(v, self.dims)).peak if candidates else None
-        _choose(plan, self.options, stashed, leaves | set(clones.of), order, self.dims, model_peak)
+        _choose(plan, self.options, stashed, bounds, order, self.dims, model_peak)
         if model_peak is not None:
             plan.base_peak_bytes = model_peak([])
             plan.peak_bytes = model_peak([c.nodes for c in candidates if c.on])
@@ -335,6 +347,7 @@ class RecomputePass(ir.passes.InPlacePass):
             clones.recompute(c.nodes)
             modified = True
         clones.place()
+        plan.kept_bytes = sum(_size(v, self.dims) for v in _stashed(graph, forward, leaves) if v not in fwd_outputs)
         self.plan = plan
         if candidates:
             logger.info("%s", plan.table())
@@ -372,6 +385,13 @@ def _stashed(graph: ir.Graph, forward: set[ir.Node], leaves: set[ir.Value]) -> l
                     and not (_is_onnx(node) and node.op_type in SHAPE_OPS):
                 seen[v] = None
     return list(seen)
+
+
+def _masks(forward: set[ir.Node], dims: Mapping[str, int]) -> set[ir.Value]:
+    """Forward values that are not floating point and of at most MAX_KEPT_MASK_BYTES (masks, indices): a
+    recomputation reads them from the stash rather than redoing the (often long) chains that make them."""
+    return {v for node in forward for v in node.outputs
+            if v.dtype is not None and not v.dtype.is_floating_point() and 0 < _size(v, dims) <= MAX_KEPT_MASK_BYTES}
 
 
 def _size(value: ir.Value, dims: Mapping[str, int]) -> int:
@@ -506,8 +526,8 @@ def _take(plan: Plan, ranked: list[Candidate], target: float, stashed: list[ir.V
 
 
 def _made(nodes: list[ir.Node], dims: Mapping[str, int]) -> int:
-    """The bytes a subgraph's nodes make when it is recomputed."""
-    return sum(_size(v, dims) for n in nodes for v in n.outputs)
+    """The bytes a subgraph's nodes make when it is recomputed (a Reshape's output is its input's buffer)."""
+    return sum(_size(v, dims) for n in nodes if not (_is_onnx(n) and n.op_type in ALIAS_OPS) for v in n.outputs)
 
 
 def _allowed_subgraph(node: ir.Node, stash: set[ir.Value], leaves: set[ir.Value],
