@@ -74,9 +74,9 @@ def test_the_stash_is_freed_while_backward_runs(any_size_stages, monkeypatch):
 
 def test_the_environment_variable_is_checked(monkeypatch):
     monkeypatch.delenv(BACKWARD_STAGES_ENV, raising=False)
-    assert backward_stages() == 4
+    assert backward_stages() == 4 and backward_stages(budget=True) == 8
     monkeypatch.setenv(BACKWARD_STAGES_ENV, "2")
-    assert backward_stages() == 2
+    assert backward_stages() == 2 and backward_stages(budget=True) == 2
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv(BACKWARD_STAGES_ENV, bad)
         with pytest.raises(ValueError, match=BACKWARD_STAGES_ENV):

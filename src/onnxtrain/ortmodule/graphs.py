@@ -15,6 +15,7 @@ from pathlib import Path
 
 import onnx
 import onnx_ir as ir
+import onnxruntime as ort
 import torch
 
 from onnxtrain.autodiff.builder import is_float
@@ -153,13 +154,19 @@ class SchemaGraphs:
             self.inference = self._session(ir.to_proto(pipeline.ortmodule_inference()(ir.from_proto(self.base))))
         return self.inference
 
-    def _session(self, proto: onnx.ModelProto) -> TorchSession:
+    def _session(self, proto: onnx.ModelProto, in_node_order: bool = False) -> TorchSession:
+        """``in_node_order``: onnxruntime runs the nodes in the graph's order (its priority-based order)
+        rather than its default topological order, which in the forward graph ran work early and kept its
+        outputs alive (BERT-small at 4x batch: the forward's peak at recompute budget 0, 132 -> 88 MB above
+        the RSS between steps; the step's activation memory without recompute, 319 -> 307 MB)."""
         proto = strip_stop_gradients(proto)
         precision = self.precision
         if precision == "fp16":  # float16 products in the graph itself (passes.precision), run as it is
             proto, precision = apply_precision(proto, "fp16"), "fp32"
-        return TorchSession(proto, self.device, session_options(log_severity=self.log_severity), self.backend,
-                            precision)
+        options = session_options(log_severity=self.log_severity)
+        if in_node_order:
+            options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+        return TorchSession(proto, self.device, options, self.backend, precision)
 
 
 def prepare(captured: Captured, state_names: list[str], device: torch.device, log_severity: int) -> SchemaGraphs:
@@ -211,9 +218,11 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
                 len(forward.graph.node), len(backward.graph.node), split.num_stashed)
     state = {graphs.num_inputs + i: name for i, name in enumerate(graphs.state_names)}
     padding_ids, zero_rows, freq_scaled = _lookup_rules(graphs, [state.get(pos) for pos in wrt], row_scatters)
-    return Training(graphs._session(forward), backward, split, wrt, diff_outputs, graphs._session, row_scatters,
-                    padding_ids, zero_rows, freq_scaled, backward_stages(), training_passes.step("recompute").plan,
-                    dims or None)
+    plan = training_passes.step("recompute").plan
+    budget = recompute is not None and recompute.budget is not None and plan is not None and plan.saved_bytes > 0
+    return Training(graphs._session(forward, in_node_order=True), backward, split, wrt, diff_outputs,
+                    graphs._session, row_scatters, padding_ids, zero_rows, freq_scaled, backward_stages(budget),
+                    plan, dims or None)
 
 
 def _lookup_rules(graphs: SchemaGraphs, names: list[str | None],
