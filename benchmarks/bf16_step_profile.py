@@ -28,28 +28,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ortmodule_bench import make_optimizer, make_workload  # noqa: E402
 
+FUSED_STEP_ENV = "ONNXTRAIN_FUSED_STEP"  # onnxtrain.ortmodule.options; read when the graphs are built
+
 
 def _variants(workload: str, optimizer_kind: str):
     import torch
 
     from onnxtrain import ORTModule
-    from onnxtrain.ortmodule.options import FUSED_STEP_ENV
 
     base, loss_fn = make_workload(workload)
     variants = {}
     for name in ("eager", "fused", "two-graph"):
         model = copy.deepcopy(base).train()
-        if name == "eager":
-            runner = model
-        else:
-            os.environ[FUSED_STEP_ENV] = "1" if name == "fused" else "0"  # read when the graphs are built
-            runner = ORTModule(model)
+        runner = model if name == "eager" else ORTModule(model)
         optimizer = make_optimizer(model.parameters(), "eager" if name == "eager" else "ortmodule", optimizer_kind)
         variants[name] = (runner, optimizer, defaultdict(list))
     return variants, loss_fn, torch
 
 
-def _instrument(runner, timings: dict, current: dict) -> None:
+def _instrument(runner, current: dict) -> None:
     """Time every session call of ``runner`` (after its first step built them) into ``current``."""
     for entries in runner._cache.values():
         for graphs in entries:
@@ -107,12 +104,19 @@ def profile(workload: str, rounds: int, optimizer_kind: str) -> None:
         current["step"] = end - start
 
     for name, (runner, _, timings) in variants.items():
-        for _ in range(3):  # the first builds the graphs
+        os.environ[FUSED_STEP_ENV] = "0" if name == "two-graph" else "1"  # read when the first step builds the graphs
+        for _ in range(3):
             step(name)
+        os.environ.pop(FUSED_STEP_ENV)
         if name != "eager":
+            made = any(t.fused is not None for e in runner._cache.values() for g in e for t in g.training.values())
+            if name == "two-graph" and made:
+                raise RuntimeError(f"{FUSED_STEP_ENV}=0 was not read")
+            if name == "fused" and not made:
+                print(f"{workload}: no fused call (ONNXTRAIN_LOG_LEVEL=INFO says why): both variants run two graphs")
             if runner.fallback_reason is not None:
                 raise RuntimeError(f"ORTModule fell back to PyTorch: {runner.fallback_reason}")
-            _instrument(runner, timings, current)
+            _instrument(runner, current)
     for _ in range(rounds):
         for name, (_, _, timings) in variants.items():
             step(name)
