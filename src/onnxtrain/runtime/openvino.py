@@ -125,7 +125,7 @@ class OpenVINOBinding:
         self._results: dict[str, _Output] = {}
 
     def bind_cpu_input(self, name: str, array: np.ndarray) -> None:
-        self._set(name, np.ascontiguousarray(array))
+        self._set(name, np.require(array, requirements="C"))  # ascontiguousarray would make a 0-d array 1-d
 
     def bind_ortvalue_input(self, name: str, value) -> None:
         self._set(name, _array_of(value), value)
