@@ -4,7 +4,8 @@
 // profile_python.py prints the same for Python onnxruntime's training step.
 //   node bench/profile.mjs bench/mlp-web/ [--ops] [--threads N] [--steps N]
 import { execFileSync } from 'node:child_process';
-import { readFileSync } from 'node:fs';
+import { closeSync, mkdtempSync, openSync, readFileSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseArgs } from 'node:util';
 import * as ort from 'onnxruntime-web';
@@ -25,19 +26,32 @@ const module = await Module.create(load('training_model.onnx'), state, null, opt
 const optimizer = await Optimizer.create(load('optimizer_model.onnx'), module, options);
 const feeds = benchFeeds(spec);
 const times = { train: [], optimizer: [] };
+// Per step: the process's CPU time (all its threads) and the times the kernel took the CPU away from it
+// (involuntary context switches). On a shared machine a step's wall time well above its CPU time, with
+// about one switch per slow node, means the slow nodes are preemptions, not onnxruntime-web.
+const usage = { cpu: [], wall: [], switches: [] };
 for (let i = 0; i < Number(values.steps); i++) {
-  let t0 = performance.now();
+  const cpu0 = process.cpuUsage();
+  const switches0 = process.resourceUsage().involuntaryContextSwitches;
+  const start = performance.now();
+  let t0 = start;
   await module.trainStep(feeds);
   times.train.push(performance.now() - t0);
   t0 = performance.now();
   await optimizer.step();
   module.lazyResetGrad();
   times.optimizer.push(performance.now() - t0);
+  const cpu = process.cpuUsage(cpu0);
+  usage.cpu.push((cpu.user + cpu.system) / 1000);
+  usage.wall.push(performance.now() - start);
+  usage.switches.push(process.resourceUsage().involuntaryContextSwitches - switches0);
 }
 const median = (v) => v.slice().sort((a, b) => a - b)[Math.floor(v.length / 2)];
 const skip = (v) => v.slice(Math.min(3, v.length - 1));  // warm-up
 console.log(`training step ${median(skip(times.train)).toFixed(2)} ms, optimizer step ${median(skip(times.optimizer)).toFixed(2)} ms ` +
   `(medians, ${values.threads} thread(s))`);
+console.log(`a step: wall ${median(skip(usage.wall)).toFixed(2)} ms, CPU ${median(skip(usage.cpu)).toFixed(2)} ms (the process's threads), ` +
+  `${median(skip(usage.switches))} involuntary context switches (medians)`);
 
 /** The node events of a profile that onnxruntime-web wrote to stdout (Emscripten's `out`, bound to
  * console.log when the module loaded, so the child process's stdout is where to read it). */
@@ -60,9 +74,23 @@ if (values.ops && process.env.ONNXTRAIN_PROFILE_CHILD) {
   console.log('=== optimizer');
   optimizer.session.endProfiling();
 } else if (values.ops) {
-  const child = execFileSync(process.execPath, process.argv.slice(1), {
-    encoding: 'utf8', maxBuffer: 1 << 30, env: { ...process.env, ONNXTRAIN_PROFILE_CHILD: '1' },
-  });
+  // The child's stdout goes to a file: onnxruntime-web writes the profile with blocking-style writes that
+  // fail with EAGAIN on a full pipe when the child outruns its reader (seen under `chrt -f`).
+  const dir = mkdtempSync(join(tmpdir(), 'onnxtrain-profile-'));
+  let child;
+  try {
+    const fd = openSync(join(dir, 'profile.txt'), 'w');
+    try {
+      execFileSync(process.execPath, process.argv.slice(1), {
+        stdio: ['ignore', fd, 'inherit'], env: { ...process.env, ONNXTRAIN_PROFILE_CHILD: '1' },
+      });
+    } finally {
+      closeSync(fd);
+    }
+    child = readFileSync(join(dir, 'profile.txt'), 'utf8');
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
   const [train, opt] = child.split('=== optimizer');
   for (const [what, text] of [['training model', train], ['optimizer model', opt]]) {
     const nodes = profileOf(text).sort((a, b) => b.ms - a.ms);

@@ -5,11 +5,12 @@ import puppeteer from 'puppeteer-core';
 
 export const CHROMIUM = process.env.CHROMIUM ?? ['/usr/bin/chromium', '/usr/bin/chromium-browser'].find(existsSync);
 
-export async function launch() {
+/** Headless Chromium; `args`: extra command-line switches (bench/providers.mjs enables WebNN). */
+export async function launch(args = []) {
   assert.ok(CHROMIUM, 'no Chromium found: install Debian\'s chromium (apt-get install chromium) or set CHROMIUM');
   return puppeteer.launch({
     executablePath: CHROMIUM, headless: true,
-    args: ['--no-sandbox', '--disable-dev-shm-usage', '--enable-unsafe-webgpu', '--enable-unsafe-swiftshader'],
+    args: ['--no-sandbox', '--disable-dev-shm-usage', '--enable-unsafe-webgpu', '--enable-unsafe-swiftshader', ...args],
   });
 }
 
