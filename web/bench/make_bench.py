@@ -5,8 +5,8 @@
 
 Models: an MLP 784-512-512-10 (batch 64, and ``mlp256``: batch 256) and a 2-layer transformer classifier
 (dim 128, 4 heads, seq 64, batch 16), each as default artifacts (<model>/) and as ``target="web"`` artifacts
-(<model>-web/); ``--models`` picks some. Python times the default artifacts (its own best), alternating 1 and 2 intra-op threads in one process; medians
-of the rounds.
+(<model>-web/); ``--models`` picks some. Python times the default artifacts (its own best), alternating 1
+and 2 intra-op threads in one process; medians of the rounds.
 """
 
 from __future__ import annotations
