@@ -173,10 +173,15 @@ def test_transformer_bf16_graphs_all_convert_in_openvino(kind, monkeypatch):
     for (name, p), a, r in zip(model.named_parameters(), auto.parameters(), double.parameters()):
         if r.grad is not None and float(r.grad.norm()) > 0:
             ratios[name] = _rel(p.grad.double().numpy(), r.grad.numpy()) / _rel(a.grad.double().numpy(), r.grad.numpy())
-    # Gradient error against float64, as a multiple of eager autocast bf16's. Measured: median 1.5x, worst 2.0x
-    # (GPT-2's wpe) and 8.5x (BERT's classifier.bias): OpenVINO's hint also lowers elementwise ops.
+    # Gradient error against float64, as a multiple of eager autocast bf16's. Measured with the loss region kept
+    # float32 (runtime/openvino_float32.py), two graphs: BERT median 1.00x, worst 2.2x; GPT-2 median 1.4x, worst
+    # 1.9x (wpe). Without it (OpenVINO's hint alone) BERT's classifier.bias was 8.5x (12.0x with the fused
+    # forward + backward call of ortmodule/fused.py: its gradient, [0.0067, -0.0067] in float64, came out as
+    # [0.0078125, -0.0078125], the bfloat16 loss gradient's rounding) and the medians 1.4x.
     worst = max(ratios, key=ratios.get)
-    assert float(np.median(list(ratios.values()))) < 2.5 and ratios[worst] < 12, (worst, ratios[worst])
+    assert float(np.median(list(ratios.values()))) < 2.0 and ratios[worst] < 3.5, (worst, ratios[worst])
+    if kind == "bert":  # the classifier's bias gradient is the loss gradient summed over the batch
+        assert ratios["classifier.bias"] < 1.5, ratios["classifier.bias"]
 
 
 def _with_env(monkeypatch, make):

@@ -288,7 +288,7 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Rec
 
     With a ``scaler`` the gradients are those of ``loss * loss_scale``, a float32 scalar input after the
     parameters (the gradient seed is the scale; :mod:`onnxtrain.blocks.loss_scale`)."""
-    model = ir.from_proto(eval_proto)
+    model = pipeline.before_autodiff(recompute)(ir.from_proto(eval_proto))
     graph = model.graph
     by_name = {v.name: v for v in graph.inputs}
     wrt = [by_name[n] for n in info["trainable"]]

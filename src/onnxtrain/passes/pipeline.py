@@ -8,14 +8,15 @@ and convert to protos only at session and file boundaries.
 
 ORTModule (``onnxtrain.ortmodule.graphs``)::
 
-    captured model -> ortmodule_prepare -> base graph --autodiff--> ortmodule_training (recompute last)
+    captured model -> ortmodule_prepare -> base graph -> before_autodiff --autodiff-->
+        ortmodule_training (recompute last)
         --split_forward_backward--> forward graph, backward graph --per pattern of present output
         gradients: prune_zero_inputs--> ortmodule_backward --stage_graph--> sessions
 
 On-device artifacts (``onnxtrain.ondevice.artifacts``)::
 
     model, parameters lifted to inputs -> artifacts_forward --+ loss, outputs--> artifacts_eval -> eval graph
-    eval graph --autodiff--> artifacts_training -> training_model.onnx
+    eval graph -> before_autodiff --autodiff--> artifacts_training -> training_model.onnx
     eval graph -> artifacts_eval_export -> eval_model.onnx
 
 To add a pass: write it as an ``ir.passes.InPlacePass`` (or ``FunctionalPass``) in its own file with its
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 import onnx_ir.passes.common
 
+from onnxtrain.passes.chunk_cross_entropy import ChunkCrossEntropyPass, chunks_for
 from onnxtrain.passes.expand_cross_entropy import ExpandCrossEntropyPass
 from onnxtrain.passes.initializers_to_inputs import InitializersToInputsPass
 from onnxtrain.passes.optimize import OptimizePass
@@ -106,6 +108,17 @@ def ortmodule_prepare(state_names: Sequence[str]) -> Pipeline:
         Step("symbolic_shapes", SymbolicShapesPass(),
              "last: names the dims of the final graph, so that autodiff un-broadcasts at build time"),
     ])
+
+
+def before_autodiff(recompute: Recompute | None = None) -> Pipeline:
+    """The graph autodiff differentiates, in ORTModule's training graphs and the artifacts' training model
+    (inference and eval graphs keep the plain loss)."""
+    steps = []
+    if chunks_for(recompute):
+        steps.append(Step("chunk_cross_entropy", ChunkCrossEntropyPass(),
+                          "before autodiff: its loss's gradient is the Mul rule's on values the chunks make; with a "
+                          "recompute budget below 1 only"))
+    return Pipeline("before_autodiff", steps)
 
 
 def ortmodule_training(num_forward_outputs: int, recompute: Recompute | None = None,
@@ -195,6 +208,7 @@ __all__ = [
     "artifacts_forward",
     "artifacts_training",
     "ortmodule_backward",
+    "before_autodiff",
     "ortmodule_inference",
     "ortmodule_prepare",
     "ortmodule_training",
