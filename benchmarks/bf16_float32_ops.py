@@ -6,8 +6,9 @@ error against float64, next to eager autocast bf16's, in one process with the va
 
 Variants (``onnxtrain.runtime.openvino_float32`` policies, each an ORTModule under
 ``torch.autocast("cpu", dtype=torch.bfloat16)`` from the same weights on the same batch):
-- ``none``: OpenVINO's bf16 hint as the plugin chooses (every op it reaches from a product in bfloat16);
-- ``loss``: the default; the loss and its gradient stay float32 (as autocast keeps them);
+- ``none``: the default; OpenVINO's bf16 hint as the plugin chooses (every op it reaches from a product in
+  bfloat16);
+- ``loss``: the loss and its gradient stay float32 (as autocast keeps them);
 - ``all``: every op but the products stays float32.
 Gradient error: norm-relative, per parameter, against the float64 model, divided by eager autocast bf16's on
 the same batch; the table prints the median and the worst parameter. Step: forward + backward, median over the
