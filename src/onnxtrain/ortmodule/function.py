@@ -2,7 +2,10 @@
 
 Its inputs are ``[*user input tensors, *parameters and buffers]``; the parameters are the user's own
 ``torch.nn.Parameter`` objects, so autograd accumulates the gradients the backward graph returns into
-their ``.grad`` (and DDP's hooks, gradient clipping and optimizers see them as usual).
+their ``.grad`` (and DDP's hooks, gradient clipping and optimizers see them as usual). Where the training
+graphs have a fused step (:mod:`onnxtrain.ortmodule.fused`), forward computes the loss's gradients too and
+backward scales them, or, when another output takes a gradient, runs the forward graph again and the exact
+backward graph.
 """
 
 from __future__ import annotations
@@ -25,15 +28,24 @@ class ORTFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graphs: SchemaGraphs, training: Training, *tensors: torch.Tensor):
         reseed(graphs)
-        outputs = training.forward.run(tensors)
-        training.forward.check_output_shapes(outputs)  # before anything uses them: ORTModule falls back
-        n_user = graphs.num_outputs
-        n_visible = n_user + len(graphs.mutated_buffers)
+        n_visible = graphs.num_outputs + len(graphs.mutated_buffers)
         ctx.training = training
         ctx.num_tensors = len(tensors)
-        ctx.stashed = [outputs[i] for i in training.split.stashed_outputs]
-        ctx.save_for_backward(*(tensors[j] for j in training.split.reused_inputs))
         ctx.scatter_like = [_like(tensors[training.wrt[s.gradient]]) for s in training.row_scatters.scatters]
+        fused = training.fused
+        if fused is not None:  # outputs and the loss's gradients in one call (onnxtrain.ortmodule.fused)
+            outputs = fused.session.run([*tensors, fused.seed])
+            fused.session.check_output_shapes(outputs)
+            ctx.fused_grads = outputs[fused.num_forward_outputs:]
+            ctx.fused_like = [_like(tensors[training.wrt[s.gradient]]) for s in fused.plan.scatters]
+            ctx.stashed = None
+            ctx.save_for_backward(*tensors)  # for the exact path, should another output take a gradient
+        else:
+            outputs = training.forward.run(tensors)
+            training.forward.check_output_shapes(outputs)  # before anything uses them: ORTModule falls back
+            ctx.fused_grads = None
+            ctx.stashed = [outputs[i] for i in training.split.stashed_outputs]
+            ctx.save_for_backward(*(tensors[j] for j in training.split.reused_inputs))
         visible = outputs[:n_visible]
         differentiable = set(training.differentiable_outputs)
         ctx.mark_non_differentiable(*(t for i, t in enumerate(visible) if i not in differentiable))
@@ -48,30 +60,56 @@ class ORTFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs: torch.Tensor):
         training: Training = ctx.training
         given = [grad_outputs[i] for i in training.differentiable_outputs]
-        present = tuple(g is not None for g in given)
-        if ctx.stashed is None:
+        if ctx.stashed is None and ctx.fused_grads is None:
             raise RuntimeError("ORTModule frees the forward's saved tensors during the first backward through a "
                                "graph; a second backward through it (retain_graph=True) is not supported: run "
                                "the forward again")
-        stashed, ctx.stashed = ctx.stashed, None  # ours alone now: backward frees each after its last use
-        saved = ctx.saved_tensors
-        releasable = [t.numel() * t.element_size() for t in stashed]
-        session = training.backward_for(present, [0] * sum(present) + releasable + [0] * len(saved))
-        if session is None:  # the full graph, with zeros for the missing output gradients
-            present = (True,) * len(given)
-            session = training.backward_for(present, [0] * len(given) + releasable + [0] * len(saved))
-            given = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-                     for g, (shape, dtype, device) in zip(given, ctx.output_meta)]
-        feeds = [*(_seed(g) for g in given if g is not None), *stashed, *saved]
-        del stashed
-        grads = _add_rows(session.run(feeds), training.row_scatters, ctx.scatter_like, training.padding_ids,
-                          training.freq_scaled)
-        result: list[torch.Tensor | None] = [None] * ctx.num_tensors
-        for k, row in training.zero_rows.items():
-            grads[k][row] = 0
-        for position, grad in zip(training.wrt, grads):
-            result[position] = grad
-        return (None, None, *result)
+        fused = training.fused
+        if ctx.fused_grads is not None:
+            grads, ctx.fused_grads = ctx.fused_grads, None
+            loss = given[fused.loss]
+            if loss is not None and all(g is None for k, g in enumerate(given) if k != fused.loss):
+                fused.scale(grads, loss)
+                grads = _add_rows(grads, fused.plan, ctx.fused_like, fused.padding_ids, fused.freq_scaled)
+                return _result(ctx, training, fused.zero_rows, grads)
+            del grads  # another output has a gradient: forward again, then the exact backward
+            tensors = ctx.saved_tensors
+            outputs = training.forward.run(tensors)
+            stashed = [outputs[i] for i in training.split.stashed_outputs]
+            saved = [tensors[j] for j in training.split.reused_inputs]
+            del outputs, tensors
+        else:
+            stashed, ctx.stashed = ctx.stashed, None  # ours alone now: backward frees each after its last use
+            saved = ctx.saved_tensors
+        grads = _split_backward(ctx, training, given, stashed, saved)
+        return _result(ctx, training, training.zero_rows, grads)
+
+
+def _split_backward(ctx, training: Training, given: list, stashed: list[torch.Tensor],
+                    saved: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The backward graph for the present output gradients, fed the forward's stash (emptied here)."""
+    present = tuple(g is not None for g in given)
+    releasable = [t.numel() * t.element_size() for t in stashed]
+    session = training.backward_for(present, [0] * sum(present) + releasable + [0] * len(saved))
+    if session is None:  # the full graph, with zeros for the missing output gradients
+        present = (True,) * len(given)
+        session = training.backward_for(present, [0] * len(given) + releasable + [0] * len(saved))
+        given = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                 for g, (shape, dtype, device) in zip(given, ctx.output_meta)]
+    feeds = [*(_seed(g) for g in given if g is not None), *stashed, *saved]
+    stashed.clear()
+    return _add_rows(session.run(feeds), training.row_scatters, ctx.scatter_like, training.padding_ids,
+                     training.freq_scaled)
+
+
+def _result(ctx, training: Training, zero_rows: dict[int, int], grads: list[torch.Tensor]) -> tuple:
+    """backward's return: None for the graphs and for the inputs without a gradient."""
+    result: list[torch.Tensor | None] = [None] * ctx.num_tensors
+    for k, row in zero_rows.items():
+        grads[k][row] = 0
+    for position, grad in zip(training.wrt, grads):
+        result[position] = grad
+    return (None, None, *result)
 
 
 def _like(tensor: torch.Tensor) -> tuple:

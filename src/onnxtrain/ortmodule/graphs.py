@@ -25,7 +25,8 @@ from onnxtrain.autodiff.engine import (
 )
 from onnxtrain.autodiff.stop_gradient import is_stop_gradient, strip_stop_gradients
 from onnxtrain.capture import Captured
-from onnxtrain.ortmodule.options import MIN_STAGE_BYTES, backward_stages
+from onnxtrain.ortmodule import fused as fusion
+from onnxtrain.ortmodule.options import FUSED_STEP_ENV, MIN_STAGE_BYTES, backward_stages, fused_step
 from onnxtrain.passes import Split, pipeline, split_forward_backward
 from onnxtrain.passes.defer_row_scatters import RowScatters, defer_row_scatters
 from onnxtrain.passes.precision import apply_precision
@@ -75,6 +76,8 @@ class Training:
     backward_stages: int = 1
     recompute: RecomputePlan | None = None  # what backward recomputes instead of stashing, and the bytes
     dims: dict[str, int] | None = None  # sizes of the symbolic dims at build time: stage cuts by liveness
+    # The forward and the loss's gradients in one call (OpenVINO; :mod:`onnxtrain.ortmodule.fused`), or None.
+    fused: fusion.FusedStep | None = None
     # Keyed by which differentiable outputs have a gradient. None: those cannot be pruned, so the full
     # graph runs with zeros fed for them.
     _backward: dict[tuple[bool, ...], StagedSession | None] = field(default_factory=dict)
@@ -202,6 +205,9 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     model = training_passes(model)
     if save is not None:
         save(model, "training")
+    no_fusion = (fusion.why_not(graphs.backend, graphs.random, graphs.mutated_buffers, user_outputs, diff_outputs)
+                 if fused_step() else f"{FUSED_STEP_ENV}=0")
+    joint = None if no_fusion else ir_version_for_onnxruntime(ir.to_proto(model))  # before the split takes it apart
     split = split_forward_backward(model, num_forward_outputs, len(seeds))
     row_scatters = defer_row_scatters(split.backward)  # embedding gradients: torch adds the rows
     forward = ir_version_for_onnxruntime(ir.to_proto(split.forward))
@@ -213,9 +219,42 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
                 len(forward.graph.node), len(backward.graph.node), split.num_stashed)
     state = {graphs.num_inputs + i: name for i, name in enumerate(graphs.state_names)}
     padding_ids, zero_rows, freq_scaled = _lookup_rules(graphs, [state.get(pos) for pos in wrt], row_scatters)
-    return Training(graphs._session(forward), backward, split, wrt, diff_outputs, graphs._session, row_scatters,
-                    padding_ids, zero_rows, freq_scaled, backward_stages(), training_passes.step("recompute").plan,
-                    dims or None)
+    training = Training(graphs._session(forward), backward, split, wrt, diff_outputs, graphs._session, row_scatters,
+                        padding_ids, zero_rows, freq_scaled, backward_stages(), training_passes.step("recompute").plan,
+                        dims or None)
+    if joint is not None:
+        training.fused = _fused_step(graphs, training, joint, num_forward_outputs, seeds,
+                                     [state.get(pos) for pos in wrt])
+    else:
+        logger.info("forward and backward run as two graphs: %s", no_fusion)
+    return training
+
+
+def _fused_step(graphs: SchemaGraphs, training: Training, joint: onnx.ModelProto, num_forward_outputs: int,
+                seeds: list[ir.Value], names: list[str | None]) -> fusion.FusedStep | None:
+    """The fused call for the one scalar differentiable output (:func:`fusion.why_not` said it may be
+    made), or None where its graph cannot be made or would treat embedding gradients otherwise."""
+    loss = next(k for k, seed in enumerate(seeds) if seed.shape is not None and len(seed.shape) == 0)
+    try:
+        proto, plan = fusion.build(joint, num_forward_outputs, [s.name for s in seeds], loss)
+    except CannotPrune as exc:
+        logger.info("forward and backward run as two graphs: %s", exc)
+        return None
+    with warnings.catch_warnings():  # the split graphs' rules have warned already
+        warnings.simplefilter("ignore")
+        rules = _lookup_rules(graphs, names, plan)
+    if rules != (training.padding_ids, training.zero_rows, training.freq_scaled):
+        logger.info("forward and backward run as two graphs: the fused graph's embedding gradients differ")
+        return None
+    if graphs.saver is not None:
+        graphs.saver(proto, "fused")
+    seed = torch.ones((), dtype=_TORCH_DTYPES[seeds[loss].dtype])
+    logger.info("forward and the loss's gradients run as one graph of %d nodes", len(proto.graph.node))
+    return fusion.FusedStep(graphs._session(proto), num_forward_outputs, loss, seed, plan, *rules)
+
+
+_TORCH_DTYPES = {ir.DataType.FLOAT: torch.float32, ir.DataType.DOUBLE: torch.float64,
+                 ir.DataType.FLOAT16: torch.float16, ir.DataType.BFLOAT16: torch.bfloat16}
 
 
 def _lookup_rules(graphs: SchemaGraphs, names: list[str | None],

@@ -17,6 +17,9 @@ Environment variables (read when an ORTModule is created):
 - ``ORTMODULE_MEMORY_OPT_LEVEL`` and ``ORTMODULE_MEMORY_OPT_CONFIG`` (ONNX Runtime Training's; read when
   training graphs are built) pick what backward recomputes instead of keeping from forward, where
   ``DebugOptions(recompute=...)`` does not: see :mod:`onnxtrain.passes.recompute`.
+- ``ONNXTRAIN_FUSED_STEP=0`` (read when training graphs are built) turns off the one-call forward +
+  backward that OpenVINO runs when a scalar loss is the only output that can take a gradient
+  (:mod:`onnxtrain.ortmodule.fused`); the forward and backward graphs then run as on onnxruntime.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ LOG_LEVEL_ENV = "ONNXTRAIN_LOG_LEVEL"
 BACKWARD_STAGES_ENV = "ONNXTRAIN_BACKWARD_STAGES"
 DEFAULT_BACKWARD_STAGES = 4
 MIN_STAGE_BYTES = 4 << 20
+FUSED_STEP_ENV = "ONNXTRAIN_FUSED_STEP"
 _FALSE = {"0", "false", "no", "off"}
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -101,6 +105,12 @@ def backward_stages() -> int:
     if value < 1:
         raise ValueError(f"{BACKWARD_STAGES_ENV}={raw!r}: use a whole number of stages, 1 or more (1: one graph)")
     return value
+
+
+def fused_step() -> bool:
+    """``$ONNXTRAIN_FUSED_STEP``, else on (see the module docstring)."""
+    return _env_switch(FUSED_STEP_ENV, True, "use 1 (one OpenVINO call for forward and gradients, the default) "
+                                            "or 0 (the forward and backward graphs)")
 
 
 @dataclass

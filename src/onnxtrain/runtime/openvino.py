@@ -54,6 +54,10 @@ class OpenVINOSession:
             self._model = core().read_model(model)
         except Exception as exc:
             raise OpenVINOReadError(f"OpenVINO cannot read the model: {exc}") from exc
+        if precision == "bf16":  # ONNXTRAIN_OPENVINO_FLOAT32=loss: the loss region stays float32, as under autocast
+            from onnxtrain.runtime.openvino_float32 import keep_float32
+
+            self._model = keep_float32(self._model, core())
         self._config = {"INFERENCE_PRECISION_HINT": _HINTS[precision], "PERFORMANCE_HINT": "LATENCY",
                         "NUM_STREAMS": 1}
         if threads:
@@ -121,7 +125,7 @@ class OpenVINOBinding:
         self._results: dict[str, _Output] = {}
 
     def bind_cpu_input(self, name: str, array: np.ndarray) -> None:
-        self._set(name, np.ascontiguousarray(array))
+        self._set(name, np.require(array, requirements="C"))  # ascontiguousarray would make a 0-d array 1-d
 
     def bind_ortvalue_input(self, name: str, value) -> None:
         self._set(name, _array_of(value), value)
