@@ -14,7 +14,6 @@ import { launch, openAndWait } from '../browser-test/chromium.js';
 import { serve } from '../example/serve.mjs';
 
 const rounds = Number(process.argv[2] ?? 3);
-const MODELS = ['mlp', 'transformer'];
 // default artifacts, target="web" artifacts (train-step model), the same with two calls a step
 const VARIANTS = [['', ''], ['-web', ''], ['-web', '&trainStep=0']];
 const label = ([folder, query]) => folder + (query ? ' two calls' : '');
@@ -22,6 +21,7 @@ const THREADS = [1, 2];
 const TARGET_RATIO = 2.5;
 const HERE = fileURLToPath(new URL('.', import.meta.url));
 const python = JSON.parse(readFileSync(new URL('./python_results.json', import.meta.url)));
+const MODELS = Object.keys(python);  // the models make_bench.py wrote and timed
 
 const server = await serve(0);
 const browser = await launch();

@@ -1,6 +1,6 @@
 // Which CPU paths faster than onnxruntime-web's WebAssembly kernels exist here (issue 19): prints one line
 // per check, each with the error message or the result that decides it.
-//   node bench/providers.mjs            (about 20 s; needs Chromium for the WebNN part)
+//   node bench/providers.mjs            (about 2 minutes of CPU time; needs Chromium for the WebNN part)
 //
 // 1. Execution providers built into each WebAssembly build of the installed onnxruntime-web. Its JavaScript
 //    accepts only 'wasm'/'cpu', 'webgpu' and 'webnn', so each build is loaded from a patched copy of the

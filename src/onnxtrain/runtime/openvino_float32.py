@@ -1,0 +1,122 @@
+"""Which ops OpenVINO keeps in float32 under its bfloat16 hint, as ``torch.autocast`` keeps its losses (issue 17).
+
+OpenVINO's CPU plugin, given ``INFERENCE_PRECISION_HINT=bf16``, lowers every float32 op it reaches from a
+product (``MatMul``, convolutions), elementwise ops, scatters and reductions included: only the graph's tail
+(the ops between the last product and an output) stays float32. A training graph's backward starts with the
+loss's gradient, ``softmax - one_hot`` (a ``ScatterElementsUpdate`` adding -1/N at each label into p/N): in
+bfloat16 that difference cancels, and the gradients of the layers under it came out up to 8.5x further from
+float64 than eager autocast's (BERT-small's ``classifier.bias``). Autocast computes the loss and its gradient in
+float32.
+
+The policy (:func:`float32_region`, a function of the graph alone), ``ONNXTRAIN_OPENVINO_FLOAT32=loss``: the
+**loss region** is kept in float32:
+starting from ``Softmax``, ``LogSoftmax`` and ``Exp`` (the cross-entropy's gradient is ``Exp`` of the saved
+log-softmax), every float32 op connected to them, in either direction, without crossing a product. A scatter
+is not a seed: BERT's gradient of its first-token select is one, and from it the region ran through the
+whole residual stream's gradient. The products themselves still run in bfloat16 (their inputs are cast down at the region's edge).
+``all`` keeps every op but the products in float32. It is not the default ("none": the plugin's own choice):
+the step of BERT-small took 1.04x the default's (``all``: 1.17x), measured alternating in one process on a
+loaded machine (BENCHMARKS.md).
+
+How the ops are kept: the CPU plugin leaves a node's precision alone when the node carries OpenVINO's
+``DisablePrecisionConversion`` runtime attribute (``ov::disable_conversion``, read in the plugin's
+``EnforceInferencePrecision``; checked on the installed ``openvino`` 2026.4 by its runtime model, see
+tests/ondevice/test_openvino_float32.py). The Python API cannot make that typed attribute (a string set in
+``get_rt_info()`` is not it), but OpenVINO's IR reader makes it from ``<rt_info>``: :func:`keep_float32` writes
+the model as IR to a temporary directory, marks the chosen layers there, and reads it back.
+This module imports neither torch nor onnx (the on-device runtime uses it).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Iterable
+
+PRODUCTS = frozenset({"MatMul", "Convolution", "ConvolutionBackpropData", "GroupConvolution",
+                      "GroupConvolutionBackpropData", "Einsum"})
+LOSS_SEEDS = frozenset({"Softmax", "LogSoftmax", "Exp"})
+POLICIES = ("none", "loss", "all")
+POLICY_ENV = "ONNXTRAIN_OPENVINO_FLOAT32"  # "none" (the default: the plugin's own choice), "loss" or "all"
+_NOT_OPS = frozenset({"Parameter", "Constant", "Result"})
+# what the IR reader turns into ov::DisablePrecisionConversion: no conversion to float16 or bfloat16
+_ATTRIBUTE = {"name": "DisablePrecisionConversion", "version": "0", "value": "dynamic:f16,bf16"}
+
+
+def float32_region(nodes: Iterable[tuple[str, str, bool, list[str]]], seeds=LOSS_SEEDS) -> set[str]:
+    """The names of the nodes to keep in float32: ``nodes`` are (name, op type, whether every output is
+    float32, the names of the nodes its inputs come from). The loss region: the float32 nodes connected to a
+    loss seed (:data:`LOSS_SEEDS`) without crossing a product (:data:`PRODUCTS`) or a non-float32 node."""
+    nodes = list(nodes)
+    inside = {name for name, op_type, f32, _ in nodes if f32 and op_type not in PRODUCTS and op_type not in _NOT_OPS}
+    neighbours: dict[str, set[str]] = {name: set() for name in inside}
+    for name, _, _, sources in nodes:
+        if name in inside:
+            for source in sources:
+                if source in inside and source != name:
+                    neighbours[name].add(source)
+                    neighbours[source].add(name)
+    if seeds is None:  # every float32 op but the products
+        return inside
+    todo = [name for name, op_type, _, _ in nodes if name in inside and op_type in seeds]
+    region = set(todo)
+    while todo:
+        for other in neighbours[todo.pop()] - region:
+            region.add(other)
+            todo.append(other)
+    return region
+
+
+def graph_of(model) -> list[tuple[str, str, bool, list[str]]]:
+    """An ``ov.Model`` as :func:`float32_region` reads it."""
+    return [(op.get_friendly_name(), op.get_type_name(),
+             op.get_output_size() > 0 and all(op.get_output_element_type(i).get_type_name() == "f32"
+                                               for i in range(op.get_output_size())),
+             [i.get_source_output().get_node().get_friendly_name() for i in op.inputs()])
+            for op in model.get_ordered_ops()]
+
+
+def policy(name: str | None = None) -> str:
+    """The policy to apply: ``name``, else ``ONNXTRAIN_OPENVINO_FLOAT32``, else "none"."""
+    name = name or os.environ.get(POLICY_ENV) or "none"
+    if name not in POLICIES:
+        raise ValueError(f"unknown OpenVINO float32 policy {name!r} ({POLICY_ENV}); choose one of {list(POLICIES)}")
+    return name
+
+
+def keep_float32(model, core, name: str | None = None):
+    """``model`` (an ``ov.Model``) with the policy's nodes marked to stay float32 under the bfloat16 hint: a new
+    model read by ``core``, or ``model`` itself when the policy is "none" or chooses no node."""
+    if policy(name) == "none":
+        return model
+    names = float32_region(graph_of(model), seeds=None if policy(name) == "all" else LOSS_SEEDS)
+    if not names:
+        return model
+    import openvino as ov
+
+    with tempfile.TemporaryDirectory(prefix="onnxtrain_ov_") as tmp:
+        xml_path, bin_path = os.path.join(tmp, "model.xml"), os.path.join(tmp, "model.bin")
+        ov.save_model(model, xml_path, compress_to_fp16=False)
+        tree = ElementTree.parse(xml_path)
+        for layer in tree.getroot().iter("layer"):
+            if layer.get("name") in names:
+                rt_info = layer.find("rt_info")
+                if rt_info is None:
+                    rt_info = ElementTree.SubElement(layer, "rt_info")
+                ElementTree.SubElement(rt_info, "attribute", _ATTRIBUTE)
+        tree.write(xml_path)
+        with open(bin_path, "rb") as f:
+            weights = f.read()
+        with open(xml_path, "rb") as f:
+            marked = core.read_model(f.read(), weights)
+    _copy_model_info(model, marked)
+    return marked
+
+
+def _copy_model_info(source, target) -> None:
+    """The model-level runtime info (the ONNX metadata in ``framework``) as the source had it."""
+    info = source.get_rt_info()
+    if "framework" in list(info.keys()):
+        for key, value in info["framework"].items():
+            target.set_rt_info(value.astype(str), ["framework", key])
