@@ -180,6 +180,24 @@ def test_ortmodule_with_a_budget_matches_eager_pytorch(monkeypatch, caplog, retu
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_logits_returned_but_only_the_loss_backpropagated_prune_the_logits_gradient(monkeypatch):
+    """GPT-2's case: the backward graph is built without the logits' gradient input (no [rows, vocab] zeros
+    fed, no products of them), and the gradients are eager PyTorch's."""
+    monkeypatch.setattr(cce, "BLOCK_BYTES", SMALL_BLOCK)
+    torch.manual_seed(0)
+    model = _TinyLM(True)
+    eager = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (3, 10))
+    ort_model = ORTModule(model, DebugOptions(recompute=0.5, fallback=False))
+    ort_model(ids, ids)[0].backward()
+    eager(ids, ids)[0].backward()
+    sessions = {present: session for entries in ort_model._cache.values() for g in entries
+                for t in g.training.values() for present, session in t._backward.items()}
+    assert list(sessions) == [(True, False)] and sessions[(True, False)] is not None  # None: zeros are fed
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_the_modelled_peak_goes_down(monkeypatch):
     """Budget 0.5 on a model whose logits dominate: the planner's modelled peak is lower with the pass."""
 

@@ -126,3 +126,21 @@ def test_a_zero_padded_with_zeros_is_pruned_and_one_padded_with_ones_is_not():
         np.testing.assert_array_equal(_run(model, feeds)[0], _run(proto, feeds)[0])
     with pytest.raises(CannotPrune, match="Pad node"):
         prune_zero_inputs(padded(1.0), ["a"])
+
+
+def test_a_zero_through_a_gemm_without_c_is_pruned_and_one_beside_a_c_is_not():
+    """A linear layer's weight gradient is a Gemm of its input and its output gradient (the logits of a model
+    that returns them beside a chunked loss): zero in, zero out, unless a C is added."""
+    def gemm(with_c: bool):
+        nodes = [helper.make_node("Gemm", ["x", "a"] + (["c"] if with_c else []), ["g"], transA=1),
+                 helper.make_node("Add", ["g", "b"], ["y"])]
+        return _model(nodes, [_f("x", [4, 2]), _f("a", [4, 3]), _f("c", [2, 3]), _f("b", [2, 3])], [_f("y", [2, 3])])
+
+    feeds = {"x": RNG.standard_normal((4, 2)).astype(np.float32), "a": np.zeros((4, 3), np.float32),
+             "c": RNG.standard_normal((2, 3)).astype(np.float32), "b": RNG.standard_normal((2, 3)).astype(np.float32)}
+    proto = gemm(False)
+    model = ir.from_proto(prune_zero_inputs(proto, ["a"]))
+    assert "Gemm" not in [n.op_type for n in model.graph]
+    np.testing.assert_array_equal(_run(model, feeds)[0], _run(proto, feeds)[0])
+    with pytest.raises(CannotPrune, match="Gemm node"):
+        prune_zero_inputs(gemm(True), ["a"])

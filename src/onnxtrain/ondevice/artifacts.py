@@ -283,12 +283,15 @@ def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Recompute | None = None,
-                         scaler: LossScaler | None = None, target: str = "default") -> onnx.ModelProto:
-    """Add the gradients of the loss w.r.t. the trainable parameters to the eval model.
+                         scaler: LossScaler | None = None, target: str = "default",
+                         chunk_loss: bool = True) -> onnx.ModelProto:
+    """Add the gradients of the loss w.r.t. the trainable parameters to the eval model. ``chunk_loss``: a
+    language model's loss may be computed in row blocks where ``recompute`` asks for a budget below 1
+    (:mod:`onnxtrain.passes.chunk_cross_entropy`).
 
     With a ``scaler`` the gradients are those of ``loss * loss_scale``, a float32 scalar input after the
     parameters (the gradient seed is the scale; :mod:`onnxtrain.blocks.loss_scale`)."""
-    model = pipeline.before_autodiff(recompute)(ir.from_proto(eval_proto))
+    model = pipeline.before_autodiff(recompute, chunk_loss)(ir.from_proto(eval_proto))
     graph = model.graph
     by_name = {v.name: v for v in graph.inputs}
     wrt = [by_name[n] for n in info["trainable"]]
@@ -409,7 +412,9 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     eval_proto, info = build_eval_model(proto, requires_grad, frozen_params, loss_block,
                                         additional_output_names, loss_input_names)
     plan = None if recompute is None else Recompute.of(recompute)
-    training_proto = build_training_model(eval_proto, info, plan, scaler, target)
+    # The chunked loss's loop body stays float32 (fp16 products, OpenVINO's bf16) and is left out of web artifacts.
+    training_proto = build_training_model(eval_proto, info, plan, scaler, target,
+                                          chunk_loss=precision == "fp32" and target != "web")
     eval_proto = ir.to_proto(pipeline.artifacts_eval_export()(ir.from_proto(eval_proto)))
     if precision == "fp16":  # the products run in float16 in the graphs themselves, on any runtime
         training_proto, eval_proto = (apply_precision(p, "fp16") for p in (training_proto, eval_proto))

@@ -185,7 +185,9 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     """Differentiate the base graph w.r.t. the inputs flagged in ``requires_grad`` and split it.
     ``recompute``: what backward recomputes instead of stashing (:mod:`onnxtrain.passes.recompute`), its
     bytes counted with the dims of ``input_shapes`` (the shapes of ``[*inputs, *state]`` on this call)."""
-    model = pipeline.before_autodiff(recompute)(ir.from_proto(graphs.base))
+    # The chunked loss's loop body stays float32 and runs in onnxruntime: not under fp16 products or OpenVINO.
+    plain = graphs.precision == "fp32" and graphs.backend == "onnxruntime"
+    model = pipeline.before_autodiff(recompute, chunk_loss=plain)(ir.from_proto(graphs.base))
     graph = model.graph
     inputs = list(graph.inputs)
     dims = dims_from_inputs(graph, input_shapes or [])

@@ -6,8 +6,8 @@ for backward) and their gradient. No recompute plan can drop them. This pass, ru
 replaces the loss with:
 
 - one ``Loop`` over blocks of ``block_rows`` rows of ``h`` (padded to a whole number of blocks with
-  ignored rows), which per block makes the block's logits ``z = h_k @ Wt``, its log-sum-exp and the
-  target's logit (the loss), and the block's gradient ``(softmax(z) - onehot(target)) * coef`` (``coef``:
+  ignored rows), which per block makes the block's logits ``z = h_k @ Wt``, their log-softmax and the
+  target's log-probability (the loss), and the block's gradient ``(softmax(z) - onehot(target)) * coef`` (``coef``:
   1 / the mean's divisor on rows not ignored, 0 on ignored and padding rows), multiplied at once into the
   gradient of ``h_k`` (a scan output) and added into the gradient of ``Wt`` (a carried value). The loop's
   inputs go through ``StopGradient``: autodiff does not see it;
@@ -39,8 +39,6 @@ import logging
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import TensorProto
-from onnx import helper as oh
 
 from onnxtrain.autodiff.registry import ONNXTRAIN_DOMAIN, STOP_GRADIENT
 
@@ -156,8 +154,10 @@ class _Nodes:
         self.prefix, self.nodes = prefix, []
 
     def op(self, op_type: str, *inputs, outputs: int = 1, domain: str = "", **attrs):
-        node = ir.node(op_type, list(inputs), attributes=attrs, domain=domain, num_outputs=outputs,
-                       name=f"{self.prefix}/{op_type}_{len(self.nodes)}")
+        name = f"{self.prefix}/{op_type}_{len(self.nodes)}"
+        node = ir.node(op_type, list(inputs), attributes=attrs, domain=domain, num_outputs=outputs, name=name)
+        for k, value in enumerate(node.outputs):  # named: the loop body's values must not take outer names
+            value.name = f"{name}_{k}"
         self.nodes.append(node)
         return node.outputs[0] if outputs == 1 else list(node.outputs)
 
@@ -178,18 +178,28 @@ def _typed(value: ir.Value, dtype: ir.DataType, shape) -> ir.Value:
     return value
 
 
-def _rewrite(graph: ir.Graph, loss_node: ir.Node, matmul: ir.Node, h, wt, transposed: bool, target, reduction: str, ignore_index,
-             block_bytes: int) -> tuple[str, int, int, bool]:
-    vocab, hidden = wt.shape if transposed else wt.shape[::-1]
-    itemsize = h.dtype.itemsize
-    rows = max(1, int(block_bytes // (vocab * itemsize)))
+def _rewrite(graph: ir.Graph, loss_node: ir.Node, matmul: ir.Node, h, w, transposed: bool, target, reduction: str,
+             ignore_index, block_bytes: int) -> tuple[str, int, int, bool]:
+    vocab, hidden = w.shape if transposed else w.shape[::-1]
+    rows = max(1, int(block_bytes // (vocab * h.dtype.itemsize)))
     dtype = h.dtype.numpy()
+    chain = {loss_node}  # the nodes from the logits to the loss, which the blocks replace
+    scores = loss_node.inputs[0]
+    if loss_node.op_type == "NegativeLogLikelihoodLoss":
+        chain.add(scores.producer())
+        scores = scores.producer().inputs[0]
+    logits = matmul.outputs[0]
+    if scores is not logits:
+        chain.add(scores.producer())
+    # The logits are made anyway where an output or another node reads them: the blocks slice them (the one of
+    # the two read outside the loss, so that its producer stays in the forward; the body's reads are unseen).
+    read = [v for v in (logits, scores) if v.is_graph_output() or any(u.node not in chain for u in v.uses())]
+    needed = bool(read)
     b = _Nodes(f"{loss_node.name or 'loss'}/chunked")
     h2 = _typed(b.op("Reshape", h, b.ints([-1, hidden])), h.dtype, [target.shape[0], hidden])
     n = b.op("Shape", target, start=0, end=1)  # [1]: the rows
     step = b.op("Max", b.op("Min", n, b.ints([rows])), b.ints([1]))  # rows a block: no more than there are
     blocks = b.op("Div", b.op("Sub", b.op("Add", n, step), b.ints([1])), step)  # ceil(n / step)
-    pad = b.op("Sub", b.op("Mul", blocks, step), n)
     target64 = target if target.dtype == ir.DataType.INT64 else b.op("Cast", target, to=ir.DataType.INT64)
     if ignore_index is not None:
         kept = b.op("Not", b.op("Equal", target64, b.ints([ignore_index])))
@@ -206,26 +216,16 @@ def _rewrite(graph: ir.Graph, loss_node: ir.Node, matmul: ir.Node, h, wt, transp
     else:
         divisor = grad_divisor = b.const(np.array(1, dtype))
     coef = b.op("Div", weight, grad_divisor)
-    pads = b.op("Concat", b.ints([0]), pad, axis=0)
-    zero_rows = b.op("Concat", b.ints([0, 0]), pad, b.ints([0]), axis=0)
-    carried = [
-        step,
-        b.op("Pad", b.stop(h2), zero_rows),
-        b.stop(wt),
-        b.op("Pad", safe, pads),
-        b.op("Pad", weight, pads),
-        b.op("Pad", coef, pads),
-    ]
-    zero = b.const(np.array(0, dtype))
-    grad_wt0 = b.op("ConstantOfShape", b.ints(list(wt.shape)), value=ir.tensor(np.zeros(1, dtype)))
-    loop_outs = b.op("Loop", b.op("Squeeze", blocks, b.ints([0])), None, zero, grad_wt0, *carried,
-                     body=ir.AttrGraph("body", _body(list(wt.shape), transposed, h.dtype)), outputs=2 + len(carried) + 1)
-    loss_sum, grad_wt, grad_rows = loop_outs[0], loop_outs[1], loop_outs[-1]
-    grad_h = b.op("Slice", b.op("Reshape", grad_rows, b.ints([-1, hidden])), b.ints([0]), n, b.ints([0]))
+    zeros = ir.tensor(np.zeros(1, dtype))
+    body = _body(b.nodes[-1].name, h2, w, transposed, read[0] if read else None)
+    loss_sum, grad_w, grad_h, *_ = b.op(
+        "Loop", b.op("Squeeze", blocks, b.ints([0])), None, b.const(np.array(0, dtype)),
+        b.op("ConstantOfShape", b.ints(list(w.shape)), value=zeros), b.op("ConstantOfShape", b.op("Shape", h2), value=zeros),
+        step, safe, weight, coef, body=ir.AttrGraph("body", body), outputs=7)
     _typed(grad_h, h.dtype, h2.shape)
-    _typed(grad_wt, h.dtype, wt.shape)
+    _typed(grad_w, h.dtype, w.shape)
     value = _typed(b.op("Div", loss_sum, divisor), h.dtype, [])
-    terms = [_typed(b.op("Mul", x, b.stop(g)), h.dtype, x.shape) for x, g in ((h2, grad_h), (wt, grad_wt))]
+    terms = [_typed(b.op("Mul", x, b.stop(g)), h.dtype, x.shape) for x, g in ((h2, grad_h), (w, grad_w))]
     surrogate = _typed(b.op("Add", *[_typed(b.op("ReduceSum", x, keepdims=0), h.dtype, []) for x in terms]),
                        h.dtype, [])
     loss = _typed(b.op("Add", value, _typed(b.op("Sub", surrogate, b.stop(surrogate)), h.dtype, [])), h.dtype, [])
@@ -233,10 +233,9 @@ def _rewrite(graph: ir.Graph, loss_node: ir.Node, matmul: ir.Node, h, wt, transp
     loss.type, loss.shape = old.type, old.shape
     ir.convenience.replace_nodes_and_values(graph, loss_node, [loss_node], b.nodes, [old], [loss])
     _remove_unused_producers(graph, first)
-    kept = matmul.graph is graph
     if ONNXTRAIN_DOMAIN not in graph.opset_imports:
         graph.opset_imports[ONNXTRAIN_DOMAIN] = 1
-    return old.name or loss_node.name or "loss", rows, vocab, kept
+    return old.name or loss_node.name or "loss", rows, vocab, needed
 
 
 def _remove_unused_producers(graph: ir.Graph, value: ir.Value) -> None:
@@ -254,73 +253,58 @@ def _remove_unused_producers(graph: ir.Graph, value: ir.Value) -> None:
         stack.extend(inputs)
 
 
-def _body(w_shape: list[int], transposed: bool, dtype: ir.DataType) -> ir.Graph:
-    """One block: carried (loss sum, grad of the weight, rows a block, h, the weight (``[hidden, vocab]``,
-    or ``[vocab, hidden]`` when ``transposed``), safe target, weight of each row, coef) -> the same, plus
-    the block's rows of grad h as a scan output."""
-    hidden = w_shape[1] if transposed else w_shape[0]
-    t = int(dtype)
-    i64 = TensorProto.INT64
+def _body(name: str, h2, w, transposed: bool, scores) -> ir.Graph:
+    """One block of rows ``[i * step, (i + 1) * step)`` (the last one shorter): carried (loss sum, grad of
+    the weight, grad of ``h2``, and unchanged: ``step``, the safe target, each row's weight and coef) -> the
+    same. ``h2``, the weight (``[hidden, vocab]``, or ``[vocab, hidden]`` when ``transposed``) and ``scores``
+    (the full logits, where they are made anyway; else the block's are made here) are read from the outer
+    graph, so that nothing large is copied into the loop: the forward's other nodes read them too (the
+    surrogate, an output), so every pass keeps their producers in the forward. Autodiff does not see the
+    loop."""
+    dtype = h2.dtype
+    i = ir.Value(name="i", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+    cond = ir.Value(name="cond", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+    loss_in = _typed(ir.Value(name="loss_in"), dtype, [])
+    grad_w_in = _typed(ir.Value(name="grad_w_in"), dtype, w.shape)
+    grad_h_in = _typed(ir.Value(name="grad_h_in"), dtype, h2.shape)
+    step = _typed(ir.Value(name="step"), ir.DataType.INT64, [1])
+    target = _typed(ir.Value(name="target"), ir.DataType.INT64, [h2.shape[0]])
+    weight, coef = (_typed(ir.Value(name=k), dtype, [h2.shape[0]]) for k in ("weight", "coef"))
+    b = _Nodes(f"{name}/block")
+    start = b.op("Mul", b.op("Unsqueeze", i, b.ints([0])), step)
+    end = b.op("Add", start, step)
+    axis0 = b.ints([0])
 
-    def c(name, values):
-        return oh.make_node("Constant", [], [name], value=oh.make_tensor(name, i64, [len(values)], values))
+    def rows(x):
+        return b.op("Slice", x, start, end, axis0)
 
-    nodes = [
-        c("axis0", [0]), c("axis1", [1]),
-        oh.make_node("Unsqueeze", ["i", "axis0"], ["i1"]),
-        oh.make_node("Mul", ["i1", "rows"], ["start"]),
-        oh.make_node("Add", ["start", "rows"], ["end"]),
-        oh.make_node("Slice", ["h", "start", "end", "axis0"], ["hk"]),
-        oh.make_node("Slice", ["target", "start", "end", "axis0"], ["tk"]),
-        oh.make_node("Slice", ["weight", "start", "end", "axis0"], ["wk"]),
-        oh.make_node("Slice", ["coef", "start", "end", "axis0"], ["ck"]),
-        oh.make_node("Gemm", ["hk", "wt"], ["z"], transB=int(transposed)),  # [rows, vocab]: the block's logits
-        oh.make_node("ReduceLogSumExp", ["z", "axis1"], ["lse"], keepdims=1),
-        oh.make_node("Unsqueeze", ["tk", "axis1"], ["tk1"]),
-        oh.make_node("GatherElements", ["z", "tk1"], ["picked"], axis=1),
-        oh.make_node("Sub", ["lse", "picked"], ["nll1"]),
-        oh.make_node("Squeeze", ["nll1", "axis1"], ["nll"]),
-        oh.make_node("Mul", ["nll", "wk"], ["nllw"]),
-        oh.make_node("ReduceSum", ["nllw"], ["block_loss"], keepdims=0),
-        oh.make_node("Add", ["loss_in", "block_loss"], ["loss_out"]),
-        oh.make_node("Sub", ["z", "lse"], ["shifted"]),
-        oh.make_node("Exp", ["shifted"], ["p"]),
-        oh.make_node("Unsqueeze", ["ck", "axis1"], ["ck1"]),
-        oh.make_node("Mul", ["p", "ck1"], ["pc"]),
-        oh.make_node("Neg", ["ck1"], ["minus"]),
-        oh.make_node("ScatterElements", ["pc", "tk1", "minus"], ["dz"], axis=1, reduction="add"),
-        oh.make_node("Gemm", ["dz", "wt"], ["grad_hk"], transB=int(not transposed)),
-        *([oh.make_node("Gemm", ["dz", "hk", "grad_wt_in"], ["grad_wt_out"], transA=1)] if transposed else
-          [oh.make_node("Gemm", ["hk", "dz", "grad_wt_in"], ["grad_wt_out"], transA=1)]),
-        oh.make_node("Identity", ["cond"], ["cond_out"]),
-        *[oh.make_node("Identity", [name], [f"{name}_out"]) for name in ("rows", "h", "wt", "target", "weight", "coef")],
-    ]
-    inputs = [
-        oh.make_tensor_value_info("i", i64, []),
-        oh.make_tensor_value_info("cond", TensorProto.BOOL, []),
-        oh.make_tensor_value_info("loss_in", t, []),
-        oh.make_tensor_value_info("grad_wt_in", t, w_shape),
-        oh.make_tensor_value_info("rows", i64, [1]),
-        oh.make_tensor_value_info("h", t, ["padded", hidden]),
-        oh.make_tensor_value_info("wt", t, w_shape),
-        oh.make_tensor_value_info("target", i64, ["padded"]),
-        oh.make_tensor_value_info("weight", t, ["padded"]),
-        oh.make_tensor_value_info("coef", t, ["padded"]),
-    ]
-    outputs = [
-        oh.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
-        oh.make_tensor_value_info("loss_out", t, []),
-        oh.make_tensor_value_info("grad_wt_out", t, w_shape),
-        oh.make_tensor_value_info("rows_out", i64, [1]),
-        oh.make_tensor_value_info("h_out", t, ["padded", hidden]),
-        oh.make_tensor_value_info("wt_out", t, w_shape),
-        oh.make_tensor_value_info("target_out", i64, ["padded"]),
-        oh.make_tensor_value_info("weight_out", t, ["padded"]),
-        oh.make_tensor_value_info("coef_out", t, ["padded"]),
-        oh.make_tensor_value_info("grad_hk", t, ["rows", hidden]),
-    ]
-    proto = oh.make_graph(nodes, "chunked_cross_entropy_block", inputs, outputs)
-    return ir.serde.deserialize_graph(proto)
+    hk, tk, wk, ck = rows(h2), rows(target), rows(weight), rows(coef)
+    if scores is not None:
+        vocab = w.shape[0] if transposed else w.shape[1]
+        z = rows(scores if len(scores.shape) == 2 else b.op("Reshape", scores, b.ints([-1, vocab])))
+    else:
+        z = b.op("Gemm", hk, w, transB=int(transposed))  # [rows, vocab]
+    # LogSoftmax, not ReduceLogSumExp: onnxruntime's ReduceLogSumExp took 10x as long on these blocks.
+    logp = b.op("LogSoftmax", z, axis=1)
+    tk1 = b.op("Unsqueeze", tk, b.ints([1]))
+    picked = b.op("Squeeze", b.op("GatherElements", logp, tk1, axis=1), b.ints([1]))
+    loss_out = b.op("Sub", loss_in, b.op("ReduceSum", b.op("Mul", picked, wk), keepdims=0))  # minus log p(target)
+    ck1 = b.op("Unsqueeze", ck, b.ints([1]))
+    dz = b.op("ScatterElements", b.op("Mul", b.op("Exp", logp), ck1), tk1, b.op("Neg", ck1), axis=1, reduction="add")
+    grad_hk = b.op("Gemm", dz, w, transB=int(not transposed))  # [rows, hidden]
+    grad_w_out = (b.op("Gemm", dz, hk, grad_w_in, transA=1) if transposed
+                  else b.op("Gemm", hk, dz, grad_w_in, transA=1))
+    first = b.op("Squeeze", start, axis0)
+    index = b.op("Unsqueeze", b.op("Range", first, b.op("Add", first, b.op("Squeeze", b.op("Shape", hk, start=0, end=1),
+                                                                          axis0)), b.const(np.array(1, np.int64))),
+                 b.ints([1]))
+    grad_h_out = b.op("ScatterND", grad_h_in, index, grad_hk)
+    cond_out = b.op("Identity", cond)
+    for v in (loss_out, grad_w_out, grad_h_out):
+        _typed(v, dtype, None)
+    same = [b.op("Identity", v) for v in (step, target, weight, coef)]
+    return ir.Graph([i, cond, loss_in, grad_w_in, grad_h_in, step, target, weight, coef],
+                    [cond_out, loss_out, grad_w_out, grad_h_out, *same], nodes=b.nodes, name="chunked_cross_entropy_block")
 
 
 def chunk_cross_entropy(proto: onnx.ModelProto, block_bytes: int | None = None) -> onnx.ModelProto:

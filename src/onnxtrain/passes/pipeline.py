@@ -110,11 +110,11 @@ def ortmodule_prepare(state_names: Sequence[str]) -> Pipeline:
     ])
 
 
-def before_autodiff(recompute: Recompute | None = None) -> Pipeline:
+def before_autodiff(recompute: Recompute | None = None, chunk_loss: bool = True) -> Pipeline:
     """The graph autodiff differentiates, in ORTModule's training graphs and the artifacts' training model
-    (inference and eval graphs keep the plain loss)."""
+    (inference and eval graphs keep the plain loss). ``chunk_loss=False``: never the chunked loss."""
     steps = []
-    if chunks_for(recompute):
+    if chunk_loss and chunks_for(recompute):
         steps.append(Step("chunk_cross_entropy", ChunkCrossEntropyPass(),
                           "before autodiff: its loss's gradient is the Mul rule's on values the chunks make; with a "
                           "recompute budget below 1 only"))

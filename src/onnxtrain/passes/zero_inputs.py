@@ -33,6 +33,7 @@ _ZERO_IN_ZERO_OUT = frozenset({
 })
 # Output is zero when any one input is zero.
 _PRODUCTS = frozenset({"Mul", "MatMul", "Einsum"})
+# (A Gemm is zero when A or B is, and it has no C or a zero one: alpha * A @ B + beta * C.)
 
 
 def prune_zero_inputs(proto: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
@@ -79,6 +80,7 @@ def _simplify(graph: ir.Graph, node: ir.Node, zero: set[ir.Value]) -> None:
     inputs = list(node.inputs)
     live = [v for v in inputs if v is not None and v not in zero]
     if (op in _ZERO_IN_ZERO_OUT and inputs[0] in zero or op in _PRODUCTS
+            or op == "Gemm" and (inputs[0] in zero or inputs[1] in zero) and (len(live) < 2 or inputs[2] in zero)
             or op == "Pad" and inputs[0] in zero and _pads_with_zeros(node, zero)):
         zero.update(node.outputs)
     elif op in ("Add", "Sum") or (op == "Sub" and inputs[1] in zero):
