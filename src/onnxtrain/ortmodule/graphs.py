@@ -225,15 +225,15 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     logger.info("built training graphs: %d forward nodes, %d backward nodes, %d stashed values",
                 len(forward.graph.node), len(backward.graph.node), split.num_stashed)
     state = {graphs.num_inputs + i: name for i, name in enumerate(graphs.state_names)}
-    padding_ids, zero_rows, freq_scaled = _lookup_rules(graphs, [state.get(pos) for pos in wrt], row_scatters)
+    names = [state.get(pos) for pos in wrt]  # the parameter (or buffer) each gradient is for, None for inputs
+    padding_ids, zero_rows, freq_scaled = _lookup_rules(graphs, names, row_scatters)
     plan = training_passes.step("recompute").plan
     budget = recompute is not None and recompute.budget is not None and plan is not None and plan.saved_bytes > 0
     training = Training(graphs._session(forward, in_node_order=True), backward, split, wrt, diff_outputs,
                         graphs._session, row_scatters, padding_ids, zero_rows, freq_scaled, backward_stages(budget),
                         plan, dims or None)
     if joint is not None:
-        training.fused = _fused_step(graphs, training, joint, num_forward_outputs, seeds,
-                                     [state.get(pos) for pos in wrt])
+        training.fused = _fused_step(graphs, training, joint, num_forward_outputs, seeds, names)
     else:
         logger.info("forward and backward run as two graphs: %s", no_fusion)
     return training

@@ -97,7 +97,7 @@ def _match(node: ir.Node):
     if _is(node, "NegativeLogLikelihoodLoss"):
         logp = node.inputs[0]
         softmax = logp.producer() if logp is not None else None
-        if not _is(softmax, "LogSoftmax") or len(logp.uses()) != 1 or _axis(softmax, -1) not in (1, -1):
+        if not _is(softmax, "LogSoftmax") or len(logp.uses()) != 1 or softmax.attributes.get_int("axis", -1) not in (1, -1):
             return None
         scores = softmax.inputs[0]
     elif _is(node, "SoftmaxCrossEntropyLoss"):
@@ -108,8 +108,8 @@ def _match(node: ir.Node):
         return None
     if len(node.inputs) > 2 and node.inputs[2] is not None:  # class weights
         return None
-    reduction = node.attributes["reduction"].value if "reduction" in node.attributes else "mean"
-    ignore_index = node.attributes["ignore_index"].value if "ignore_index" in node.attributes else None
+    reduction = node.attributes.get_string("reduction", "mean")
+    ignore_index = node.attributes.get_int("ignore_index")
     target = node.inputs[1]
     if reduction not in ("mean", "sum") or scores is None or scores.shape is None or len(scores.shape) != 2:
         return None
@@ -122,11 +122,11 @@ def _match(node: ir.Node):
     if _is(matmul, "MatMul"):
         h, w = matmul.inputs
         transposed = False
-        if _is(w.producer(), "Transpose") and list(_attr(w.producer(), "perm", [1, 0])) == [1, 0]:
+        if _is(w.producer(), "Transpose") and list(w.producer().attributes.get_ints("perm", [1, 0])) == [1, 0]:
             w, transposed = w.producer().inputs[0], True  # h @ W^T: the weight as it is stored
-    elif _is(matmul, "Gemm") and len(matmul.inputs) == 2 and _attr(matmul, "transA", 0) == 0 \
-            and _attr(matmul, "alpha", 1.0) == 1.0:
-        (h, w), transposed = matmul.inputs, bool(_attr(matmul, "transB", 0))
+    elif _is(matmul, "Gemm") and len(matmul.inputs) == 2 and matmul.attributes.get_int("transA", 0) == 0 \
+            and matmul.attributes.get_float("alpha", 1.0) == 1.0:
+        (h, w), transposed = matmul.inputs, bool(matmul.attributes.get_int("transB", 0))
     else:
         return None
     if w is None or w.shape is None or len(w.shape) != 2 or not all(isinstance(d, int) for d in w.shape):
@@ -137,14 +137,6 @@ def _match(node: ir.Node):
     if h.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE):
         return None
     return matmul, h, w, transposed, target, reduction, ignore_index
-
-
-def _attr(node: ir.Node, name: str, default):
-    return node.attributes[name].value if name in node.attributes else default
-
-
-def _axis(node: ir.Node, default: int) -> int:
-    return _attr(node, "axis", default)
 
 
 class _Nodes:

@@ -88,9 +88,10 @@ def policy(name: str | None = None) -> str:
 def keep_float32(model, core, name: str | None = None):
     """``model`` (an ``ov.Model``) with the policy's nodes marked to stay float32 under the bfloat16 hint: a new
     model read by ``core``, or ``model`` itself when the policy is "none" or chooses no node."""
-    if policy(name) == "none":
+    chosen = policy(name)
+    if chosen == "none":
         return model
-    names = float32_region(graph_of(model), seeds=None if policy(name) == "all" else LOSS_SEEDS)
+    names = float32_region(graph_of(model), seeds=None if chosen == "all" else LOSS_SEEDS)
     if not names:
         return model
     import openvino as ov
