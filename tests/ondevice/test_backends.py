@@ -206,3 +206,32 @@ def test_openvino_requests_are_reused_with_fresh_results():
     unbound.bind_output("y")
     with pytest.raises(ValueError, match=r"inputs \['w'\] are not bound"):
         session.run_with_iobinding(unbound)
+
+
+def test_torch_session_on_openvino_reads_and_returns_tensors():
+    """TorchSession's numpy path on OpenVINO: a parameter updated in place is read anew, a non-contiguous
+    input is read as its values, outputs are torch tensors of their own (equal to torch's result)."""
+    from onnx import TensorProto, helper
+
+    from onnxtrain.runtime.session import TorchSession
+
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Relu", ["y"], ["r"])],
+                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3]),
+                                    helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 2]),
+                               helper.make_tensor_value_info("r", TensorProto.FLOAT, ["n", 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    session = TorchSession(model, torch.device("cpu"), backend="openvino")
+    assert session._arrays is not None  # the numpy path, not OrtValues
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    x = torch.randn(3, 5).t()  # not contiguous
+    y, r = session.run([x, w])
+    torch.testing.assert_close(y, x @ w.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r, torch.relu(x @ w.detach()), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        w.mul_(-2)
+    y2, _ = session.run([x, w])
+    torch.testing.assert_close(y2, x @ w.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y, -y2 / 2, rtol=1e-5, atol=1e-6)  # the first call's output is its own

@@ -100,6 +100,28 @@ class OpenVINOSession:
         meta = {key: value.astype(str) for key, value in framework.items()}
         return SimpleNamespace(custom_metadata_map=meta)
 
+    def run_arrays(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """Run on every input in graph order (C-contiguous arrays, read in place) and return every output,
+        copied out, in graph order: :class:`onnxtrain.runtime.session.TorchSession`'s path, which needs no
+        OrtValues and no binding object."""
+        if len(arrays) != len(self._inputs):
+            raise ValueError(f"the model takes {len(self._inputs)} inputs, got {len(arrays)}")
+        import openvino as ov
+
+        request = self._idle.pop() if self._idle else self._compile(
+            {p.name: a for p, a in zip(self._inputs, arrays)}).create_infer_request()
+        try:
+            for k, (port, array) in enumerate(zip(self._inputs, arrays)):
+                try:
+                    request.set_input_tensor(k, ov.Tensor(array, shared_memory=True))
+                except Exception as exc:
+                    raise ValueError(f"OpenVINO cannot bind {port.name!r} (shape {list(array.shape)}, "
+                                     f"{array.dtype}): {exc}") from exc
+            request.infer()
+            return [np.array(request.get_output_tensor(k).data, copy=True) for k in range(len(self._outputs))]
+        finally:
+            self._idle.append(request)  # every input is set again before its next run
+
     def io_binding(self) -> OpenVINOBinding:
         return OpenVINOBinding(self)
 
