@@ -16,8 +16,11 @@ A worker runs a warm-up step, then ``--steps`` timed steps with torch's AdamW. R
 medians over the rounds: the step time, the RSS between steps, the peak RSS during the last step
 (``VmHWM`` reset through ``/proc/self/clear_refs`` before it), activation memory = that peak minus the
 RSS before it, the process's peak RSS, the stash the plan keeps, and the step's peak above the RSS
-between steps as the planner models it (``Plan.peak_bytes``, passes/peak.py). Ratios are to no recompute
-(``budget 1.0``). "eager" is PyTorch without ORTModule, for comparison.
+between steps as the planner models it (``Plan.peak_bytes``, passes/peak.py), and each step's CPU time
+(user, system) and minor page faults (CPU time still compares sides on a loaded machine, where wall time
+does not). Ratios are to no recompute (``budget 1.0``). "eager" is PyTorch without ORTModule, for comparison.
+``--allocator glibc`` runs both sides on glibc with its own thresholds (no onnxruntime arena): one allocator
+for both, for step times without the fresh-page faults ``malloc`` charges (docs/memory.md).
 """
 
 from __future__ import annotations
