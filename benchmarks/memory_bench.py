@@ -16,8 +16,11 @@ A worker runs a warm-up step, then ``--steps`` timed steps with torch's AdamW. R
 medians over the rounds: the step time, the RSS between steps, the peak RSS during the last step
 (``VmHWM`` reset through ``/proc/self/clear_refs`` before it), activation memory = that peak minus the
 RSS before it, the process's peak RSS, the stash the plan keeps, and the step's peak above the RSS
-between steps as the planner models it (``Plan.peak_bytes``, passes/peak.py). Ratios are to no recompute
-(``budget 1.0``). "eager" is PyTorch without ORTModule, for comparison.
+between steps as the planner models it (``Plan.peak_bytes``, passes/peak.py), and each step's CPU time
+(user, system) and minor page faults (CPU time still compares sides on a loaded machine, where wall time
+does not). Ratios are to no recompute (``budget 1.0``). "eager" is PyTorch without ORTModule, for comparison.
+``--allocator glibc`` runs both sides on glibc with its own thresholds (no onnxruntime arena): one allocator
+for both, for step times without the fresh-page faults ``malloc`` charges (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import json
 import logging
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -51,9 +55,14 @@ RSS_NOISE_MB = 1.0
 # 64 KiB or more (torch's and onnxruntime's alike) is returned to the system when freed: RSS between steps
 # is then what stays alive (weights, gradients, optimizer state), and the peak above it is the step's.
 # "arena": onnxruntime's shared arena (the default), which never shrinks; only the process peak moves.
+# "glibc": onnxruntime without its arena and glibc with its own (dynamic) thresholds, for both sides: one
+# allocator, which keeps freed memory for reuse as it sees fit. For step times: under "malloc" every buffer of
+# 64 KiB or more is a fresh mmap whose pages fault on first touch, which charges the side that allocates more
+# fresh buffers (ORTModule's decomposed backward: docs/memory.md, "Step time at 4x batch").
 ALLOCATORS = {
     "malloc": {"ONNXTRAIN_CPU_ARENA": "0", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"},
     "arena": {},
+    "glibc": {"ONNXTRAIN_CPU_ARENA": "0"},
 }
 
 
@@ -75,20 +84,34 @@ def reset_peak() -> bool:
         return False
 
 
+def _usage() -> tuple[float, float, int]:
+    """This process's CPU seconds (user, system) and minor page faults so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime, r.ru_minflt
+
+
 def measure(step, steps: int) -> dict:
-    """A warm-up step, then ``steps`` timed ones: step time, RSS before each, activation (peak - before)."""
+    """A warm-up step, then ``steps`` timed ones: step time, RSS before each, activation (peak - before),
+    and each step's CPU time (user, system) and minor page faults (a page touched for the first time: under
+    the "malloc" allocator, every page of every buffer of 64 KiB or more the step allocates)."""
     step()
-    times, between, step_peak = [], [], []
+    times, between, step_peak, user, system, faults = [], [], [], [], [], []
     for _ in range(steps):
         gc.collect()
         before = rss_mb()
         reset = reset_peak()
+        u0, s0, f0 = _usage()
         times.append(step())
+        u1, s1, f1 = _usage()
+        user.append(u1 - u0)
+        system.append(s1 - s0)
+        faults.append(f1 - f0)
         between.append(before)
         step_peak.append(peak_rss_mb() if reset else float("nan"))
     return {"median_s": statistics.median(times), "between_mb": statistics.median(between),
             "activation_mb": statistics.median(p - b for p, b in zip(step_peak, between)),
-            "step_peak_mb": statistics.median(step_peak)}
+            "step_peak_mb": statistics.median(step_peak), "user_s": statistics.median(user),
+            "sys_s": statistics.median(system), "faults": statistics.median(faults)}
 
 
 def worker(workload: str, budget: str, steps: int, scale: int, threads: int) -> dict:
@@ -285,10 +308,11 @@ def report(workload: str, args) -> None:
     med = {b: {key: statistics.median(r[key] for r in rs) for key in rs[0] if key not in ("workload", "budget")
                and rs[0][key] is not None} for b, rs in results.items()}
     base = med.get("1.0")
-    print(f"\n{workload} at {args.scale}x batch, {args.threads} thread(s), {args.rounds} round(s), "
-          f"{args.steps} steps each; medians")
+    print(f"\n{workload} at {args.scale}x batch, {args.threads} thread(s), {args.allocator} allocator, "
+          f"{args.rounds} round(s), {args.steps} steps each; medians")
     print(f"{'budget':>7} {'step':>9} {'vs 1.0':>7} {'activation':>11} {'vs 1.0':>7} {'between':>9} "
-          f"{'step peak':>10} {'proc peak':>10} {'stash kept':>11} {'modelled':>9}")
+          f"{'step peak':>10} {'proc peak':>10} {'stash kept':>11} {'modelled':>9} {'user':>8} {'sys':>7} "
+          f"{'faults':>7}")
     for b in args.budgets:
         m = med[b]
         t_ratio = f"{m['median_s'] / base['median_s']:.2f}x" if base else "-"
@@ -297,7 +321,7 @@ def report(workload: str, args) -> None:
         modelled = f"{m['modelled_mb']:7.0f}MB" if "modelled_mb" in m else "-"
         print(f"{b:>7} {m['median_s'] * 1e3:7.1f}ms {t_ratio:>7} {m['activation_mb']:9.0f}MB {a_ratio:>7} "
               f"{m['between_mb']:7.0f}MB {m['step_peak_mb']:8.0f}MB {m['process_peak_mb']:8.0f}MB {kept:>11} "
-              f"{modelled:>9}")
+              f"{modelled:>9} {m['user_s'] * 1e3:6.0f}ms {m['sys_s'] * 1e3:5.0f}ms {m['faults'] / 1e3:6.0f}k")
     for line in targets(med):
         print(line)
 
@@ -313,7 +337,9 @@ def targets(med: dict[str, dict]) -> list[str]:
         return f"  {'met' if ok else 'NOT met':>7}  {name}: {numbers}"
 
     def reduction(b: str) -> tuple[float, float]:
-        return 1 - med[b]["activation_mb"] / base["activation_mb"], med[b]["median_s"] / base["median_s"] - 1
+        # nan where no activation memory shows (the "glibc" and "arena" allocators may keep it all between steps)
+        less = 1 - med[b]["activation_mb"] / base["activation_mb"] if base["activation_mb"] > 0 else float("nan")
+        return less, med[b]["median_s"] / base["median_s"] - 1
 
     budgets = sorted((b for b in med if b not in ("eager", "none")), key=float, reverse=True)
     if "0.5" in med:

@@ -167,3 +167,71 @@ def test_graph_openvino_cannot_read_runs_on_onnxruntime(monkeypatch):
     y = np.arange(6, dtype=np.float32).reshape(2, 3)
     (out,) = session.run(None, {"x": np.zeros((1, 3), np.float32), "y": y})
     np.testing.assert_array_equal(out, y.sum(axis=0, keepdims=True))
+
+
+def test_openvino_requests_are_reused_with_fresh_results():
+    """Calls that leave their outputs to the runtime share the session's idle infer requests: each call's
+    results are its own (copied out), shapes may change between calls, a binding with an output in the
+    caller's memory keeps its own request, and an input left unbound is an error, not the last call's value."""
+    from onnx import TensorProto, helper
+
+    from onnxtrain.runtime.openvino import OpenVINOSession
+
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3]),
+                               helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    session = OpenVINOSession(model.SerializeToString())
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 2)).astype(np.float32)
+    xs = [rng.standard_normal((n, 3)).astype(np.float32) for n in (4, 4, 7, 1)]
+    results = [session.run(None, {"x": x, "w": w})[0] for x in xs]
+    assert len(session._idle) == 1  # one request served every call
+    for x, y in zip(xs, results):
+        np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-6)
+    out = np.zeros((4, 2), np.float32)
+    binding = session.io_binding()
+    binding.bind_cpu_input("x", xs[0])
+    binding.bind_cpu_input("w", w)
+    binding.bind_ortvalue_output("y", out)
+    session.run_with_iobinding(binding)
+    np.testing.assert_allclose(out, xs[0] @ w, rtol=1e-5, atol=1e-6)
+    assert len(session._idle) == 1 and binding._request is not session._idle[0]
+    np.testing.assert_allclose(session.run(None, {"x": xs[1], "w": w})[0], xs[1] @ w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, xs[0] @ w, rtol=1e-5, atol=1e-6)  # the pooled call did not write there
+    unbound = session.io_binding()
+    unbound.bind_cpu_input("x", xs[0])
+    unbound.bind_output("y")
+    with pytest.raises(ValueError, match=r"inputs \['w'\] are not bound"):
+        session.run_with_iobinding(unbound)
+
+
+def test_torch_session_on_openvino_reads_and_returns_tensors():
+    """TorchSession's numpy path on OpenVINO: a parameter updated in place is read anew, a non-contiguous
+    input is read as its values, outputs are torch tensors of their own (equal to torch's result)."""
+    from onnx import TensorProto, helper
+
+    from onnxtrain.runtime.session import TorchSession
+
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Relu", ["y"], ["r"])],
+                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3]),
+                                    helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 2]),
+                               helper.make_tensor_value_info("r", TensorProto.FLOAT, ["n", 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    session = TorchSession(model, torch.device("cpu"), backend="openvino")
+    assert session._arrays is not None  # the numpy path, not OrtValues
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    x = torch.randn(3, 5).t()  # not contiguous
+    y, r = session.run([x, w])
+    torch.testing.assert_close(y, x @ w.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r, torch.relu(x @ w.detach()), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        w.mul_(-2)
+    y2, _ = session.run([x, w])
+    torch.testing.assert_close(y2, x @ w.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y, -y2 / 2, rtol=1e-5, atol=1e-6)  # the first call's output is its own

@@ -168,7 +168,7 @@ def _row_scatter(node: ir.Node) -> tuple[ir.Value, ir.Value] | None:
     int64 of shape [N, 1, ..., 1] (one axis per axis of ``rows``)."""
     if node.op_type != "ScatterElements" or node.domain not in ("", "ai.onnx"):
         return None
-    if _attr(node, "reduction", "none") != "add" or _attr(node, "axis", 0) != 0:
+    if node.attributes.get_string("reduction", "none") != "add" or node.attributes.get_int("axis", 0) != 0:
         return None
     data, indices, rows = node.inputs
     if not _is_zeros(data) or len(data.uses()) != 1:
@@ -221,11 +221,6 @@ def _is_zeros(value: ir.Value) -> bool:
         return False
     fill = node.attributes.get("value")
     return fill is None or not np.any(fill.as_tensor().numpy())
-
-
-def _attr(node: ir.Node, name: str, default):
-    attribute = node.attributes.get(name)
-    return default if attribute is None else attribute.value
 
 
 def _const(graph: ir.Graph, before: ir.Node, array: np.ndarray) -> ir.Value:

@@ -44,6 +44,7 @@ from onnxtrain.passes.recompute import Recompute, RecomputePass, Saved
 from onnxtrain.passes.strip_stop_gradients import StripStopGradientsPass
 from onnxtrain.passes.sum_rows_by_matmul import SumRowsByMatMulPass
 from onnxtrain.passes.symbolic_shapes import SymbolicShapesPass
+from onnxtrain.passes.transposed_gemm import TransposedGemmPass
 
 logger = logging.getLogger("onnxtrain.passes")
 
@@ -147,6 +148,8 @@ def ortmodule_backward() -> Pipeline:
         Step("strip_stop_gradients", StripStopGradientsPass(), "bound for a session: onnxruntime knows no StopGradient"),
         Step("sum_rows_by_matmul", SumRowsByMatMulPass(),
              "after pruning, which cannot see through the Shape this pass reads"),
+        Step("transposed_gemm", TransposedGemmPass(),
+             "after pruning: a pruned gradient leaves no Transpose of a product to fold"),
     ])
 
 

@@ -5,7 +5,10 @@ for the CPU; with "bf16" the ``INFERENCE_PRECISION_HINT`` runs the float32 graph
 Memory: every bound input, and every output bound to a preallocated array or OrtValue, is an ``ov.Tensor``
 sharing that memory (no copy in or out: parameters and gradient vectors are bound once); an output left to
 the runtime (``bind_output(name, "cpu")``) is copied out of the request after each run, since the request
-reuses its buffers. OpenVINO is imported on first use; torch and onnx are not imported at all.
+reuses its buffers. A binding whose outputs are all left to the runtime (ORTModule makes one per call) runs
+on an infer request taken from the session's idle ones and put back after the run: a new request per call
+allocated its intermediate and output memory afresh, and the page faults of that memory took a quarter of
+the MLP's backward call (docs/precision.md). OpenVINO is imported on first use; torch and onnx are not imported at all.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class OpenVINOSession:
             self._model = core().read_model(model)
         except Exception as exc:
             raise OpenVINOReadError(f"OpenVINO cannot read the model: {exc}") from exc
-        if precision == "bf16":  # ONNXTRAIN_OPENVINO_FLOAT32=loss: the loss region stays float32, as under autocast
+        if precision == "bf16":  # the loss region stays float32, as under autocast (ONNXTRAIN_OPENVINO_FLOAT32)
             from onnxtrain.runtime.openvino_float32 import keep_float32
 
             self._model = keep_float32(self._model, core())
@@ -66,6 +69,7 @@ class OpenVINOSession:
         self._inputs = [_port(p) for p in self._model.inputs]
         self._outputs = [_port(p) for p in self._model.outputs]
         self._compiled = None
+        self._idle: list = []  # infer requests of finished runs, for the next binding (OpenVINOBinding._run)
         if all(not p.get_partial_shape().rank.is_dynamic for p in self._model.inputs):
             self._compile()
         # else: OpenVINO's CPU plugin needs every input's rank; compiled on the first run, from its inputs
@@ -95,6 +99,28 @@ class OpenVINOSession:
         framework = info["framework"] if "framework" in list(info.keys()) else {}
         meta = {key: value.astype(str) for key, value in framework.items()}
         return SimpleNamespace(custom_metadata_map=meta)
+
+    def run_arrays(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """Run on every input in graph order (C-contiguous arrays, read in place) and return every output,
+        copied out, in graph order: :class:`onnxtrain.runtime.session.TorchSession`'s path, which needs no
+        OrtValues and no binding object."""
+        if len(arrays) != len(self._inputs):
+            raise ValueError(f"the model takes {len(self._inputs)} inputs, got {len(arrays)}")
+        import openvino as ov
+
+        request = self._idle.pop() if self._idle else self._compile(
+            {p.name: a for p, a in zip(self._inputs, arrays)}).create_infer_request()
+        try:
+            for k, (port, array) in enumerate(zip(self._inputs, arrays)):
+                try:
+                    request.set_input_tensor(k, ov.Tensor(array, shared_memory=True))
+                except Exception as exc:
+                    raise ValueError(f"OpenVINO cannot bind {port.name!r} (shape {list(array.shape)}, "
+                                     f"{array.dtype}): {exc}") from exc
+            request.infer()
+            return [np.array(request.get_output_tensor(k).data, copy=True) for k in range(len(self._outputs))]
+        finally:
+            self._idle.append(request)  # every input is set again before its next run
 
     def io_binding(self) -> OpenVINOBinding:
         return OpenVINOBinding(self)
@@ -149,18 +175,32 @@ class OpenVINOBinding:
         self._tensors[name] = ov.Tensor(array, shared_memory=True)
 
     def _run(self) -> None:
-        if self._request is None:
-            arrays = {name: kept[0] for name, kept in self._keep.items()}
-            self._request = self._session._compile(arrays).create_infer_request()
-        for name, tensor in self._tensors.items():
-            try:
-                self._request.set_tensor(name, tensor)
-            except Exception as exc:
-                raise ValueError(f"OpenVINO cannot bind {name!r} (shape {list(tensor.shape)}, "
-                                 f"{tensor.element_type}): {exc}") from exc
-        self._request.infer()
-        self._results = {name: _Output(np.array(self._request.get_tensor(name).data, copy=True))
-                         for name, value in self._outputs.items() if value is None}
+        missing = [p.name for p in self._session._inputs if p.name not in self._tensors]
+        if missing:
+            raise ValueError(f"inputs {missing} are not bound; the model takes {len(self._session._inputs)} inputs")
+        pooled = all(value is None for value in self._outputs.values())  # no output in the caller's memory
+        request = self._request
+        if request is None:
+            if pooled and self._session._idle:
+                request = self._session._idle.pop()
+            else:
+                arrays = {name: kept[0] for name, kept in self._keep.items()}
+                request = self._session._compile(arrays).create_infer_request()
+            if not pooled:
+                self._request = request  # its outputs are bound to the caller's memory: this binding's own
+        try:
+            for name, tensor in self._tensors.items():
+                try:
+                    request.set_tensor(name, tensor)
+                except Exception as exc:
+                    raise ValueError(f"OpenVINO cannot bind {name!r} (shape {list(tensor.shape)}, "
+                                     f"{tensor.element_type}): {exc}") from exc
+            request.infer()
+            self._results = {name: _Output(np.array(request.get_tensor(name).data, copy=True))
+                             for name, value in self._outputs.items() if value is None}
+        finally:
+            if pooled:  # every input is set again before the next run; outputs are the request's own
+                self._session._idle.append(request)
 
 
 class _Output:

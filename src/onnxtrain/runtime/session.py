@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
@@ -48,6 +49,16 @@ def session_options(threads: int | None = None, log_severity: int = 3,
     if optimized_model_path:
         options.optimized_model_filepath = optimized_model_path
     return options
+
+
+# The dtypes whose tensors numpy can view (bfloat16 cannot): those take OpenVINO's numpy path.
+_NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                 torch.uint8, torch.bool}
+
+
+def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's memory (of a contiguous copy if it is not contiguous)."""
+    return tensor.detach().contiguous().numpy()
 
 
 class OutputShapeError(RuntimeError):
@@ -90,21 +101,27 @@ class TorchSession:
         self._device_id = self.device.index or 0
         # Parameters are the same tensors, in the same memory, at every step (optimizers update them in
         # place): their OrtValues are made once. Keyed by position, checked by object and memory.
-        self._param_values: dict[int, tuple[tuple, ort.OrtValue]] = {}
+        self._param_values: dict[int, tuple[tuple, ort.OrtValue | np.ndarray]] = {}
+        # OpenVINO reads numpy views of the tensors and its outputs become tensors by torch.from_numpy.
+        self._arrays = getattr(self._session, "run_arrays", None)
 
-    def _input_value(self, position: int, tensor: torch.Tensor) -> ort.OrtValue:
+    def _input_value(self, position: int, tensor: torch.Tensor, convert=to_ortvalue):
         if not isinstance(tensor, torch.nn.Parameter):
-            return to_ortvalue(tensor)
-        key = (id(tensor), tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
+            return convert(tensor)
+        key = (id(tensor), tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device,
+               convert)
         cached = self._param_values.get(position)
         if cached is None or cached[0] != key:
-            cached = (key, to_ortvalue(tensor))
+            cached = (key, convert(tensor))
             self._param_values[position] = cached
         return cached[1]
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if len(inputs) != len(self.input_names):
             raise ValueError(f"the graph takes {len(self.input_names)} inputs, got {len(inputs)}")
+        if self._arrays is not None and all(t.dtype in _NUMPY_DTYPES for t in inputs):
+            arrays = [self._input_value(k, t, _to_numpy) for k, t in enumerate(inputs)]
+            return [torch.from_numpy(a) for a in self._arrays(arrays)]
         binding = self._session.io_binding()
         keep = []  # the OrtValues must outlive the run
         for position, (name, tensor) in enumerate(zip(self.input_names, inputs)):
