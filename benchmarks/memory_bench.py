@@ -26,9 +26,12 @@ for both, for step times without the fresh-page faults ``malloc`` charges (docs/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import logging
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -183,9 +186,42 @@ def generate_ondevice(name: str, budgets: list[str], scale: int, out: Path) -> N
             continue
         plan = None if budget == "none" else Recompute(budget=float(budget), dims=dims)
         (out / budget).mkdir()
-        artifacts.generate_artifacts(out / "model.onnx", requires_grad=trainable,
-                                     loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
-                                     artifact_directory=out / budget, recompute=plan)
+        with _plan_log() as lines:
+            artifacts.generate_artifacts(out / "model.onnx", requires_grad=trainable,
+                                         loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
+                                         artifact_directory=out / budget, recompute=plan)
+        (out / budget / PLAN_FILE).write_text(json.dumps(_plan_numbers(lines)))
+
+
+PLAN_FILE = "plan.json"  # the stash kept and the modelled peak of the plan, as the table logged them (MiB)
+
+
+@contextlib.contextmanager
+def _plan_log():
+    """The messages of the ``onnxtrain.passes`` logger at INFO while the block runs (the recompute table)."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("onnxtrain.passes")
+    handler, level = Keep(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _plan_numbers(lines: list[str]) -> dict:
+    text = "\n".join(lines)
+    kept = re.search(r"stash kept: ([0-9.]+) MiB", text)
+    peak = re.search(r"modelled peak of a step: ([0-9.]+) MiB", text)
+    return {"kept_mb": float(kept.group(1)) if kept else None,
+            "modelled_mb": float(peak.group(1)) if peak else None}
 
 
 def ondevice_worker(workload: str, budget: str, steps: int, scale: int, threads: int) -> dict:
@@ -222,8 +258,10 @@ def ondevice_worker(workload: str, budget: str, steps: int, scale: int, threads:
             optimizer.step()
             module.lazy_reset_grad()
             return time.perf_counter() - start
-    return {"workload": workload, "budget": budget, **measure(step, steps), "process_peak_mb": peak_rss_mb(),
-            "kept_mb": None, "modelled_mb": None}
+    plan = {"kept_mb": None, "modelled_mb": None}
+    if budget not in ("eager", "none") and (d / PLAN_FILE).is_file():
+        plan = json.loads((d / PLAN_FILE).read_text())
+    return {"workload": workload, "budget": budget, **measure(step, steps), "process_peak_mb": peak_rss_mb(), **plan}
 
 
 def run_one(workload: str, budget: str, args) -> dict:

@@ -143,14 +143,17 @@ def _tiny_transformer(kind: str):
 @openvino_needed
 @pytest.mark.skipif(not backends.openvino_has_bf16(), reason="this CPU has no bfloat16 arithmetic")
 @pytest.mark.parametrize("kind", ["bert", "gpt2"])
-@pytest.mark.parametrize("float32_ops", ["none", "loss"])
+@pytest.mark.parametrize("float32_ops", ["none", "default"])
 def test_transformer_bf16_graphs_all_convert_in_openvino(kind, float32_ops, monkeypatch):
     """Every forward and backward graph of BERT and GPT-2 under autocast bf16 runs on OpenVINO: none falls
     back to onnxruntime float32 (it did for BERT: a ReduceSum with run-time axes in an un-broadcast)."""
     from onnxtrain.runtime.openvino import OpenVINOSession
 
     monkeypatch.setattr(backends, "_warned", set())  # the fallback warns once per process
-    monkeypatch.setenv("ONNXTRAIN_OPENVINO_FLOAT32", float32_ops)
+    if float32_ops == "default":  # the loss region kept float32 (runtime/openvino_float32.py)
+        monkeypatch.delenv("ONNXTRAIN_OPENVINO_FLOAT32", raising=False)
+    else:
+        monkeypatch.setenv("ONNXTRAIN_OPENVINO_FLOAT32", float32_ops)
     made = []
     create = backends.create_session
     monkeypatch.setattr(backends, "create_session", lambda *a, **k: made.append(create(*a, **k)) or made[-1])
@@ -176,16 +179,17 @@ def test_transformer_bf16_graphs_all_convert_in_openvino(kind, float32_ops, monk
         if r.grad is not None and float(r.grad.norm()) > 0:
             ratios[name] = _rel(p.grad.double().numpy(), r.grad.numpy()) / _rel(a.grad.double().numpy(), r.grad.numpy())
     # Gradient error against float64, as a multiple of eager autocast bf16's, with the fused forward + backward
-    # call. OpenVINO's hint alone ("none", the default): medians 1.36x, BERT's classifier.bias 12.0x (its
+    # call. OpenVINO's hint alone ("none"): medians 1.36x, BERT's classifier.bias 12.0x (its
     # gradient, [0.0067, -0.0067] in float64, came out as [0.0078125, -0.0078125]: the loss gradient cancels
-    # in bfloat16). The loss region kept float32 (runtime/openvino_float32.py): BERT median 1.00x, worst 1.31x;
+    # in bfloat16). The loss region kept float32 (the default, runtime/openvino_float32.py): BERT median 1.00x, worst 1.76x
+    # (a LayerNorm weight; 1.31x when attention softmax and GELU were in the region too);
     # GPT-2 median 1.46x, worst 1.94x (wpe).
     worst = max(ratios, key=ratios.get)
     if float32_ops == "none":
         assert float(np.median(list(ratios.values()))) < 2.5 and ratios[worst] < 13, (worst, ratios[worst])
     else:
         assert float(np.median(list(ratios.values()))) < 2.0 and ratios[worst] < 3.5, (worst, ratios[worst])
-    if kind == "bert" and float32_ops == "loss":  # the classifier's bias gradient: the loss gradient's sum
+    if kind == "bert" and float32_ops == "default":  # the classifier's bias gradient: the loss gradient's sum
         assert ratios["classifier.bias"] < 1.5, ratios["classifier.bias"]
 
 

@@ -248,3 +248,30 @@ def test_on_device_artifacts_with_a_budget_train_in_blocks(tmp_path, monkeypatch
     np.testing.assert_allclose(np.asarray(loss), expected.item(), rtol=1e-5)
     for name, p in model.named_parameters():
         np.testing.assert_allclose(state.parameters[name].grad, p.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_the_budget_counts_what_the_chunked_loss_took_off_the_stash(monkeypatch, caplog):
+    """The budget's reference (the stash without recompute) is the same with the chunked loss and without it:
+    the log-softmax the blocks no longer stash, less the two gradients they stash instead, is counted as
+    saved, and the plan's table shows it as a line."""
+    monkeypatch.setattr(cce, "BLOCK_BYTES", SMALL_BLOCK)
+    batch, seq = 8, 32
+
+    def plan(chunked: bool):
+        monkeypatch.setattr(pipeline, "chunks_for", lambda options: chunked)
+        torch.manual_seed(0)
+        model = ORTModule(_TinyLM(False), DebugOptions(recompute=0.5, fallback=False))
+        ids = torch.randint(0, VOCAB, (batch, seq))
+        with caplog.at_level(logging.INFO, logger="onnxtrain.passes"):
+            model(ids, ids).backward()
+        (found,) = [t.recompute for entries in model._cache.values() for g in entries for t in g.training.values()]
+        return found
+
+    plain, chunked = plan(False), plan(True)
+    rows = batch * seq
+    net = (rows * VOCAB - rows * HIDDEN - HIDDEN * VOCAB) * 4  # log-softmax out; the gradients of h and W in
+    assert plain.presaved == []
+    assert [size for _, size in chunked.presaved] == [net]
+    assert chunked.stashed_bytes == plain.stashed_bytes
+    assert chunked.saved_bytes >= net
+    assert "chunked cross-entropy" in chunked.table() and f"{net / 2**20:.2f}" in chunked.table()

@@ -291,7 +291,8 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Rec
 
     With a ``scaler`` the gradients are those of ``loss * loss_scale``, a float32 scalar input after the
     parameters (the gradient seed is the scale; :mod:`onnxtrain.blocks.loss_scale`)."""
-    model = pipeline.before_autodiff(recompute, chunk_loss)(ir.from_proto(eval_proto))
+    before = pipeline.before_autodiff(recompute, chunk_loss)
+    model = before(ir.from_proto(eval_proto))
     graph = model.graph
     by_name = {v.name: v for v in graph.inputs}
     wrt = [by_name[n] for n in info["trainable"]]
@@ -308,8 +309,11 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Rec
             seed = cast.outputs[0]
         seeds = [seed]
         extra = {"format": LOSS_SCALING_FORMAT, "loss_scaling": scaler.to_json()}
+    elif recompute is not None:  # the order_backward pass starts from the seed: a value of its own
+        seeds = [_seed_of_one(graph, loss_value)]
     grads = add_gradient_outputs(model, wrt, [loss_value], seeds=seeds, names=info["trainable"])
-    passes = pipeline.artifacts_training(num_outputs, recompute, sum_rows_by_matmul=target != "web")
+    passes = pipeline.artifacts_training(num_outputs, recompute, sum_rows_by_matmul=target != "web",
+                                         seeds=seeds if recompute is not None else (), saved=pipeline.presaved(before))
     model = passes(model)
     meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen", "input_checks")}
     if recompute is not None and any(c.on for c in passes.step("recompute").plan.candidates):
@@ -317,6 +321,16 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Rec
     model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training", **extra,
                                                               "gradients": [g.name for g in grads]})
     return ir_version_for_onnxruntime(ir.to_proto(model))
+
+
+def _seed_of_one(graph: ir.Graph, loss_value: ir.Value) -> ir.Value:
+    """A Constant 1 of the loss's type (the gradient's seed, as autodiff would make it), added to ``graph``."""
+    node = ir.node("Constant", [], attributes={"value": ir.tensor(np.ones((), loss_value.dtype.numpy()))},
+                   name="loss_grad/seed")
+    seed = node.outputs[0]
+    seed.name, seed.type, seed.shape = "loss_grad/seed", ir.TensorType(loss_value.dtype), ir.Shape([])
+    graph.append(node)
+    return seed
 
 
 def _artifact_precision(precision: str) -> str:

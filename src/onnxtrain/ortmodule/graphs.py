@@ -187,7 +187,8 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     bytes counted with the dims of ``input_shapes`` (the shapes of ``[*inputs, *state]`` on this call)."""
     # The chunked loss's loop body stays float32 and runs in onnxruntime: not under fp16 products or OpenVINO.
     plain = graphs.precision == "fp32" and graphs.backend == "onnxruntime"
-    model = pipeline.before_autodiff(recompute, chunk_loss=plain)(ir.from_proto(graphs.base))
+    before = pipeline.before_autodiff(recompute, chunk_loss=plain)
+    model = before(ir.from_proto(graphs.base))
     graph = model.graph
     inputs = list(graph.inputs)
     dims = dims_from_inputs(graph, input_shapes or [])
@@ -208,7 +209,7 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     if wrt:
         bases = [_free_grad_base(inputs[i].name, taken) for i in wrt]
         add_gradient_outputs(model, [inputs[i] for i in wrt], targets, seeds, names=bases)
-    training_passes = pipeline.ortmodule_training(num_forward_outputs, recompute, dims)
+    training_passes = pipeline.ortmodule_training(num_forward_outputs, recompute, dims, pipeline.presaved(before))
     model = training_passes(model)
     if save is not None:
         save(model, "training")

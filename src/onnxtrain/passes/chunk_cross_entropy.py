@@ -41,6 +41,7 @@ import onnx
 import onnx_ir as ir
 
 from onnxtrain.autodiff.registry import ONNXTRAIN_DOMAIN, STOP_GRADIENT
+from onnxtrain.passes.recompute import Saved
 
 logger = logging.getLogger("onnxtrain.passes")
 
@@ -53,22 +54,27 @@ class ChunkCrossEntropyPass(ir.passes.InPlacePass):
     """Before autodiff: each matching loss (see the module docstring) is computed in row blocks.
     ``block_bytes``: the size of one block's logits (default ``BLOCK_BYTES``). After the call,
     ``self.chunked`` has one entry per loss rewritten: its name, block rows, vocabulary size, and whether
-    the full logits are still made (for an output or another reader)."""
+    the full logits are still made (for an output or another reader); ``self.saved`` one
+    :class:`~onnxtrain.passes.recompute.Saved` per loss: the log-softmax that backward no longer stashes,
+    and the two gradients it stashes instead (for the recompute budget's reference)."""
 
     def __init__(self, block_bytes: int | None = None):
         super().__init__()
         self.block_bytes = block_bytes
         self.chunked: list[tuple[str, int, int, bool]] = []
+        self.saved: list[Saved] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        self.chunked = []
+        self.chunked, self.saved = [], []
         if _opset(graph) < 18:
             return ir.passes.PassResult(model, modified=False)
         for node in list(graph):
             match = _match(node)
             if match is not None:
-                self.chunked.append(_rewrite(graph, node, *match, self.block_bytes or BLOCK_BYTES))
+                chunked, saved = _rewrite(graph, node, *match, self.block_bytes or BLOCK_BYTES)
+                self.chunked.append(chunked)
+                self.saved.append(saved)
         for name, rows, vocab, kept in self.chunked:
             logger.info("chunked cross-entropy: loss %r and its gradient computed from its linear layer in blocks "
                         "of %d rows x %d classes; %s", name, rows, vocab,
@@ -171,7 +177,7 @@ def _typed(value: ir.Value, dtype: ir.DataType, shape) -> ir.Value:
 
 
 def _rewrite(graph: ir.Graph, loss_node: ir.Node, matmul: ir.Node, h, w, transposed: bool, target, reduction: str,
-             ignore_index, block_bytes: int) -> tuple[str, int, int, bool]:
+             ignore_index, block_bytes: int) -> tuple[tuple[str, int, int, bool], Saved]:
     vocab, hidden = w.shape if transposed else w.shape[::-1]
     rows = max(1, int(block_bytes // (vocab * h.dtype.itemsize)))
     dtype = h.dtype.numpy()
@@ -217,7 +223,8 @@ def _rewrite(graph: ir.Graph, loss_node: ir.Node, matmul: ir.Node, h, w, transpo
     _typed(grad_h, h.dtype, h2.shape)
     _typed(grad_w, h.dtype, w.shape)
     value = _typed(b.op("Div", loss_sum, divisor), h.dtype, [])
-    terms = [_typed(b.op("Mul", x, b.stop(g)), h.dtype, x.shape) for x, g in ((h2, grad_h), (w, grad_w))]
+    stopped = [(x, b.stop(g)) for x, g in ((h2, grad_h), (w, grad_w))]
+    terms = [_typed(b.op("Mul", x, g), h.dtype, x.shape) for x, g in stopped]
     surrogate = _typed(b.op("Add", *[_typed(b.op("ReduceSum", x, keepdims=0), h.dtype, []) for x in terms]),
                        h.dtype, [])
     loss = _typed(b.op("Add", value, _typed(b.op("Sub", surrogate, b.stop(surrogate)), h.dtype, [])), h.dtype, [])
@@ -227,7 +234,11 @@ def _rewrite(graph: ir.Graph, loss_node: ir.Node, matmul: ir.Node, h, w, transpo
     _remove_unused_producers(graph, first)
     if ONNXTRAIN_DOMAIN not in graph.opset_imports:
         graph.opset_imports[ONNXTRAIN_DOMAIN] = 1
-    return old.name or loss_node.name or "loss", rows, vocab, needed
+    name = old.name or loss_node.name or "loss"
+    # Without the blocks, backward would stash the [rows, vocab] log-softmax; it stashes the gradients instead.
+    log_softmax = _typed(ir.Value(name=f"{name}/log_softmax"), h.dtype, [target.shape[0], vocab])
+    saved = Saved(f"chunked cross-entropy {name!r}", (log_softmax,), tuple(g for _, g in stopped))
+    return (name, rows, vocab, needed), saved
 
 
 def _remove_unused_producers(graph: ir.Graph, value: ir.Value) -> None:

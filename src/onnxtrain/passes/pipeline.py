@@ -39,7 +39,8 @@ from onnxtrain.passes.chunk_cross_entropy import ChunkCrossEntropyPass, chunks_f
 from onnxtrain.passes.expand_cross_entropy import ExpandCrossEntropyPass
 from onnxtrain.passes.initializers_to_inputs import InitializersToInputsPass
 from onnxtrain.passes.optimize import OptimizePass
-from onnxtrain.passes.recompute import Recompute, RecomputePass
+from onnxtrain.passes.order_backward import OrderBackwardPass
+from onnxtrain.passes.recompute import Recompute, RecomputePass, Saved
 from onnxtrain.passes.strip_stop_gradients import StripStopGradientsPass
 from onnxtrain.passes.sum_rows_by_matmul import SumRowsByMatMulPass
 from onnxtrain.passes.symbolic_shapes import SymbolicShapesPass
@@ -122,14 +123,20 @@ def before_autodiff(recompute: Recompute | None = None, chunk_loss: bool = True)
     return Pipeline("before_autodiff", steps)
 
 
+def presaved(before: Pipeline) -> list[Saved]:
+    """What a ``before_autodiff`` pipeline (already run) took off the stash: the chunked losses' log-softmax."""
+    return list(before.step("chunk_cross_entropy").saved) if "chunk_cross_entropy" in before.names else []
+
+
 def ortmodule_training(num_forward_outputs: int, recompute: Recompute | None = None,
-                       dims: Mapping[str, int] | None = None) -> Pipeline:
+                       dims: Mapping[str, int] | None = None, saved: Sequence[Saved] = ()) -> Pipeline:
     """The joint graph (forward + gradients, just differentiated) before the forward/backward split.
-    ``num_forward_outputs``: its first outputs are the forward's; ``dims``: sizes of its symbolic dims."""
+    ``num_forward_outputs``: its first outputs are the forward's; ``dims``: sizes of its symbolic dims;
+    ``saved``: :func:`presaved` of the ``before_autodiff`` run, counted in the recompute budget's reference."""
     return Pipeline("ortmodule_training", [
         Step("expand_cross_entropy", ExpandCrossEntropyPass(),
              "after autodiff: the SoftmaxCrossEntropyLoss rule builds the cheaper backward"),
-        Step("recompute", RecomputePass(num_forward_outputs, recompute, dims),
+        Step("recompute", RecomputePass(num_forward_outputs, recompute, dims, saved),
              "last before the split: decides what backward recomputes of the final forward; the split puts "
              "the clones in backward"),
     ])
@@ -175,12 +182,15 @@ def artifacts_eval() -> Pipeline:
     ])
 
 
-def artifacts_training(num_outputs: int, recompute: Recompute | None = None, sum_rows_by_matmul: bool = True) -> Pipeline:
+def artifacts_training(num_outputs: int, recompute: Recompute | None = None, sum_rows_by_matmul: bool = True,
+                       seeds: Sequence[ir.Value] = (), saved: Sequence[Saved] = ()) -> Pipeline:
     """The eval graph with the gradients added: training_model.onnx. ``num_outputs``: the eval graph's
     outputs (loss and additional outputs), first in the training graph's; ``recompute``: a plan, if any
-    (onnxruntime runs the graph as one, so a recomputed value is freed after its last forward use);
+    (onnxruntime runs the graph as one session: with a plan, the backward work that reads only forward
+    values is gated on the gradient values its readers need, ``seeds`` being where backward starts, so that
+    it runs where the plan put it, not early);
     ``sum_rows_by_matmul=False`` keeps the gradients' ``ReduceSum`` (web artifacts: onnxruntime-web's
-    WebGPU MatMul refuses the row-of-ones product)."""
+    WebGPU MatMul refuses the row-of-ones product); ``saved``: as :func:`ortmodule_training`'s."""
     steps = [
         Step("expand_cross_entropy", ExpandCrossEntropyPass(),
              "after autodiff: the SoftmaxCrossEntropyLoss rule builds the cheaper backward"),
@@ -189,8 +199,16 @@ def artifacts_training(num_outputs: int, recompute: Recompute | None = None, sum
         steps.append(Step("sum_rows_by_matmul", SumRowsByMatMulPass(),
                           "after autodiff: rewrites the gradients' leading-axis sums"))
     if recompute is not None:
-        steps.append(Step("recompute", RecomputePass(num_outputs, recompute),
+        planner = RecomputePass(num_outputs, recompute, saved=saved)
+        steps.append(Step("recompute", planner,
                           "after the rewrites of the gradient nodes, which it clones forward work for"))
+        if seeds:
+            def recomputes() -> bool:
+                return planner.plan is not None and any(c.on for c in planner.plan.candidates)
+
+            steps.append(Step("order_backward", OrderBackwardPass(num_outputs, seeds, when=recomputes),
+                              "after recompute has placed its clones: keeps them, and the backward work that reads "
+                              "only forward values, from running before their readers in the one session"))
     steps.append(Step("strip_stop_gradients", StripStopGradientsPass(), "last: the file runs on any ONNX runtime"))
     return Pipeline("artifacts_training", steps)
 
@@ -215,4 +233,5 @@ __all__ = [
     "ortmodule_inference",
     "ortmodule_prepare",
     "ortmodule_training",
+    "presaved",
 ]

@@ -272,10 +272,25 @@ class Candidate:
         return "".join(f"{n.op_type}+" for n in self.nodes)
 
 
+@dataclass(frozen=True)
+class Saved:
+    """Stash that a pass before autodiff removed (the chunked loss's log-softmax, for one): ``removed`` are
+    the values the stash would have held without it, ``added`` those it holds instead (the values may be
+    detached from the graph; their symbolic dims are resolved as the candidates' are). Counted in the
+    budget's reference, so that a budget is the same fraction of the same stash with the pass or without it."""
+
+    name: str
+    removed: tuple[ir.Value, ...]
+    added: tuple[ir.Value, ...] = ()
+
+    def bytes(self, dims: Mapping[str, int]) -> int:
+        return max(0, sum(_size(v, dims) for v in self.removed) - sum(_size(v, dims) for v in self.added))
+
+
 @dataclass
 class Plan:
     candidates: list[Candidate]
-    stashed_bytes: int  # without recompute (layout chains from leaves are always redone)
+    stashed_bytes: int  # without recompute (layout chains from leaves are always redone), ``presaved`` included
     # The step's modelled peak above what stays alive between steps (passes/peak.py), without recompute
     # and with this plan; None where not modelled.
     base_peak_bytes: int | None = None
@@ -283,10 +298,12 @@ class Plan:
     # What the split stashes with this plan: the values not recomputed, and the masks and indices that the
     # recomputations read (MAX_KEPT_MASK_BYTES); None until the pass has cloned.
     kept_bytes: int | None = None
+    # What passes before autodiff already took off the stash (name, bytes): in ``stashed_bytes`` and saved.
+    presaved: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def saved_bytes(self) -> int:
-        return sum(c.saved for c in self.candidates if c.on)
+        return sum(c.saved for c in self.candidates if c.on) + sum(b for _, b in self.presaved)
 
     def table(self) -> str:
         """One line per pattern: how many there are, how many are on, the bytes they save."""
@@ -301,6 +318,8 @@ class Plan:
             lines.append(f"  modelled peak of a step: {self.peak_bytes / 2**20:.1f} MiB "
                          f"({self.base_peak_bytes / 2**20:.1f} MiB without recompute)")
         lines += [f"  {'pattern':<48} {'kind':<14} {'count':>5} {'on':>5} {'MiB saved':>10} {'MiB if all':>10}"]
+        for name, size in self.presaved:
+            lines.append(f"  {name:<48} {'before autodiff':<14} {1:>5} {1:>5} {size / 2**20:>10.2f} {size / 2**20:>10.2f}")
         for pattern, group in sorted(rows.items(), key=lambda kv: -sum(c.saved for c in kv[1])):
             on = [c for c in group if c.on]
             lines.append(f"  {pattern:<48} {group[0].kind:<14} {len(group):>5} {len(on):>5} "
@@ -312,14 +331,18 @@ class RecomputePass(ir.passes.InPlacePass):
     """Clone the planned forward subgraphs for the gradient nodes (see the module docstring).
 
     ``num_forward_outputs``: the joint graph's first outputs are the forward's (the rest are gradients);
-    ``dims``: sizes of symbolic dims, over the plan's. After the call, ``self.plan`` is the plan it followed.
+    ``dims``: sizes of symbolic dims, over the plan's; ``saved``: what passes before autodiff took off the
+    stash (:class:`Saved`), counted in the budget's reference. After the call, ``self.plan`` is the plan it
+    followed.
     """
 
-    def __init__(self, num_forward_outputs: int, plan: Recompute | None = None, dims: Mapping[str, int] | None = None):
+    def __init__(self, num_forward_outputs: int, plan: Recompute | None = None, dims: Mapping[str, int] | None = None,
+                 saved: Iterable[Saved] = ()):
         super().__init__()
         self.num_forward_outputs = num_forward_outputs
         self.options = plan or Recompute()
         self.dims = {**self.options.dims, **(dims or {})}
+        self.presaved = list(saved)
         self.plan: Plan | None = None
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -337,7 +360,9 @@ class RecomputePass(ir.passes.InPlacePass):
         # are small masks and indices, which a recomputation reads from the stash.
         bounds = leaves | set(clones.of) | _masks(forward, self.dims)
         candidates = _candidates(stashed, forward, bounds, set(fwd_outputs), order, self.dims, self.options.kinds)
-        plan = Plan(candidates, sum(_size(v, self.dims) for v in stashed if v not in fwd_outputs))
+        presaved = [(p.name, p.bytes(self.dims)) for p in self.presaved]
+        plan = Plan(candidates, sum(_size(v, self.dims) for v in stashed if v not in fwd_outputs)
+                    + sum(b for _, b in presaved), presaved=presaved)
         model_peak = PeakModel(graph, forward, lambda v: _size(v, self.dims)).peak if candidates else None
         _choose(plan, self.options, stashed, bounds, order, self.dims, model_peak)
         if model_peak is not None:

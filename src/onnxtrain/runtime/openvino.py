@@ -57,7 +57,7 @@ class OpenVINOSession:
             self._model = core().read_model(model)
         except Exception as exc:
             raise OpenVINOReadError(f"OpenVINO cannot read the model: {exc}") from exc
-        if precision == "bf16":  # ONNXTRAIN_OPENVINO_FLOAT32=loss: the loss region stays float32, as under autocast
+        if precision == "bf16":  # the loss region stays float32, as under autocast (ONNXTRAIN_OPENVINO_FLOAT32)
             from onnxtrain.runtime.openvino_float32 import keep_float32
 
             self._model = keep_float32(self._model, core())

@@ -100,13 +100,14 @@ class TorchSession:
         self._ort_device = "cuda" if self.device.type == "cuda" else "cpu"
         self._device_id = self.device.index or 0
         # Parameters are the same tensors, in the same memory, at every step (optimizers update them in
-        # place): their OrtValues are made once. Keyed by position, checked by object and memory.
+        # place): their OrtValues are made once. Keyed by position, checked by object and memory. Only a
+        # contiguous parameter is kept: the value of any other is a copy, which would not see the update.
         self._param_values: dict[int, tuple[tuple, ort.OrtValue | np.ndarray]] = {}
         # OpenVINO reads numpy views of the tensors and its outputs become tensors by torch.from_numpy.
         self._arrays = getattr(self._session, "run_arrays", None)
 
     def _input_value(self, position: int, tensor: torch.Tensor, convert=to_ortvalue):
-        if not isinstance(tensor, torch.nn.Parameter):
+        if not isinstance(tensor, torch.nn.Parameter) or not tensor.is_contiguous():
             return convert(tensor)
         key = (id(tensor), tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device,
                convert)

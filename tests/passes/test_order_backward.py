@@ -1,0 +1,96 @@
+"""OrderBackwardPass: after it, every backward node but constants waits for the gradient's seed (so no
+runtime may run it during the forward), and onnxruntime's outputs are the same as before it."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from onnxtrain.autodiff.engine import add_gradient_outputs, ir_version_for_onnxruntime
+from onnxtrain.passes.order_backward import OrderBackwardPass
+from onnxtrain.passes.split_forward_backward import ancestors
+
+
+def _joint_graph() -> tuple[ir.Model, ir.Value]:
+    """loss = sum(tanh(x @ W)^2 * 0.5): the tanh gradient's 1 - h*h and x's transpose read only forward
+    values and inputs, so a runtime may run them before the loss exists."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["z"], name="matmul"),
+        helper.make_node("Tanh", ["z"], ["h"], name="tanh"),
+        helper.make_node("Mul", ["h", "h"], ["h2"], name="square"),
+        helper.make_node("Constant", [], ["half"], value=helper.make_tensor("half", TensorProto.FLOAT, [], [0.5])),
+        helper.make_node("Mul", ["h2", "half"], ["s"], name="scale"),
+        helper.make_node("ReduceSum", ["s"], ["loss"], keepdims=0, name="sum"),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+                                           helper.make_tensor_value_info("W", TensorProto.FLOAT, [4, 3])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model = ir.from_proto(onnx.shape_inference.infer_shapes(proto))
+    seed_node = ir.node("Constant", [], attributes={"value": ir.tensor(np.ones((), np.float32))}, name="seed")
+    seed = seed_node.outputs[0]
+    seed.name, seed.type, seed.shape = "seed", ir.TensorType(ir.DataType.FLOAT), ir.Shape([])
+    model.graph.append(seed_node)
+    add_gradient_outputs(model, [model.graph.inputs[1]], [model.graph.outputs[0]], seeds=[seed], names=["W"])
+    return model, seed
+
+
+def _waiting(model: ir.Model, seed: ir.Value) -> list[str]:
+    """The backward nodes that read something other than constants and do not depend on the seed (a gate's
+    ``Shape`` reads only its input's shape and makes a few integers: left out)."""
+    graph = model.graph
+    forward = ancestors(graph.outputs[:1])
+    constants = set(graph.initializers.values())
+    after_seed = {seed}
+    free = []
+    for node in graph:
+        if node in forward or (node.op_type == "Shape" and "/gate_" in (node.name or "")):
+            continue
+        if any(v in after_seed for v in node.inputs):
+            after_seed.update(node.outputs)
+        elif all(v is None or v in constants for v in node.inputs):
+            constants.update(v for v in node.outputs if v not in after_seed)
+        else:
+            free.append(node.name)
+    return free
+
+
+def _run(model: ir.Model, x: np.ndarray, w: np.ndarray, order) -> list[np.ndarray]:
+    proto = ir_version_for_onnxruntime(ir.to_proto(model))
+    options = ort.SessionOptions()
+    options.execution_order = order
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x, "W": w})
+
+
+def test_backward_work_waits_for_the_seed_and_outputs_do_not_change():
+    model, seed = _joint_graph()
+    free = _waiting(model, seed)
+    assert free, "the test graph should have backward work that reads only forward values"
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((5, 4)).astype(np.float32), rng.standard_normal((4, 3)).astype(np.float32)
+    before = _run(model, x, w, ort.ExecutionOrder.DEFAULT)
+
+    step = OrderBackwardPass(1, [seed])
+    result = step(model)
+
+    assert result.modified and step.gated >= 1
+    assert _waiting(result.model, seed) == []
+    # the gradient, against numpy: d/dW sum(tanh(xW)^2 / 2) = x^T (h (1 - h^2))
+    h = np.tanh(x @ w)
+    expected = x.T @ (h * (1 - h * h))
+    for order in (ort.ExecutionOrder.DEFAULT, ort.ExecutionOrder.PRIORITY_BASED):
+        after = _run(result.model, x, w, order)
+        np.testing.assert_array_equal(after[0], before[0])
+        np.testing.assert_array_equal(after[1], before[1])
+        np.testing.assert_allclose(after[1], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_pass_does_nothing_when_told_not_to_run():
+    model, seed = _joint_graph()
+    count = len(list(model.graph))
+    result = OrderBackwardPass(1, [seed], when=lambda: False)(model)
+    assert not result.modified and len(list(result.model.graph)) == count
