@@ -64,7 +64,8 @@ def test_export_error_falls_back(monkeypatch):
     monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
 
     model = ORTModule(models.Unexportable())
-    with pytest.warns(UserWarning, match="falls back to PyTorch.*ExportError"):
+    # torch.export fails at the numpy call; the TorchScript trace warns that it freezes the example there
+    with pytest.warns(UserWarning, match="falls back to PyTorch.*(ExportError|TraceDependsOnExample)"):
         out = model(torch.ones(1, 2))
     assert out.shape == (1, 2)
 

@@ -27,6 +27,7 @@ from onnxtrain.autodiff.engine import (
 from onnxtrain.autodiff.stop_gradient import is_stop_gradient, strip_stop_gradients
 from onnxtrain.capture import Captured
 from onnxtrain.ortmodule import fused as fusion
+from onnxtrain.ortmodule.guards import Guards
 from onnxtrain.ortmodule.options import FUSED_STEP_ENV, MIN_STAGE_BYTES, backward_stages, fused_step
 from onnxtrain.passes import Split, pipeline, split_forward_backward
 from onnxtrain.passes.defer_row_scatters import RowScatters, defer_row_scatters
@@ -131,6 +132,7 @@ class SchemaGraphs:
     precision: str = "fp32"
     inference: TorchSession | None = None
     training: dict[tuple[bool, ...], Training] = field(default_factory=dict)
+    guards: Guards = field(default_factory=Guards)  # the Python values the graph holds as constants
 
     @property
     def num_outputs(self) -> int:

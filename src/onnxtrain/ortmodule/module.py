@@ -30,7 +30,7 @@ import torch
 
 from onnxtrain.capture import capture, flatten, leaf_paths, unflatten
 from onnxtrain.capture.quiet import summary
-from onnxtrain.ortmodule import distributed
+from onnxtrain.ortmodule import distributed, guards
 from onnxtrain.ortmodule.function import ORTFunction, reseed
 from onnxtrain.ortmodule.graphs import Saver, SchemaGraphs, build_training, prepare
 from onnxtrain.ortmodule.options import FALLBACK_ENV, DebugOptions
@@ -138,8 +138,19 @@ class ORTModule(torch.nn.Module):
         key = self._schema(spec, tensors)
         entries = self._cache.setdefault(key, [])
         for entry in entries:
-            if entry.matches(tensors):
+            if entry.matches(tensors) and entry.guards.hold():
                 return entry
+        variants = [entry for entry in entries if entry.matches(tensors)]  # these sizes, other Python values
+        if variants:
+            changed = "; ".join(variants[-1].guards.changed()[:3])
+            if len(variants) >= guards.MAX_VARIANTS:
+                raise guards.GuardError(
+                    f"the forward reads Python values that keep changing ({changed}): each set of values is "
+                    f"frozen into a graph of its own and {len(variants)} were exported; make such a value a "
+                    "tensor (an argument or a buffer) to train in onnxruntime")
+            warnings.warn(f"ORTModule exports {type(self.module).__name__} again: a Python value its forward "
+                          f"reads changed ({changed}), and the graph holds it as a constant", UserWarning,
+                          stacklevel=5)
         with young_objects_only():  # the export's object churn would otherwise make the collector walk it all
             graphs = self._export(key, len(entries), args, kwargs, tensors)
         entries.append(graphs)
@@ -154,7 +165,8 @@ class ORTModule(torch.nn.Module):
         device = _device_of(self.module, tensors)
         backend, precision = _backend_for(self._backend, device)
         # The float32 graph is captured: the precision is the backend's business.
-        with _no_side_effects(self.module), torch.autocast(device.type, enabled=False):
+        with (_no_side_effects(self.module), torch.autocast(device.type, enabled=False),
+              guards.recording(self.module) as read):
             captured = capture(self.module, args, kwargs,
                                verbose=self._debug.log_level <= 0)
         self._export_count += 1
@@ -165,6 +177,7 @@ class ORTModule(torch.nn.Module):
         graphs = prepare(captured, state_names, device, int(self._debug.log_level))
         graphs.padding_rows, graphs.freq_scaled, graphs.shared_weights = _embedding_rules(self.module)
         graphs.saver = saver
+        graphs.guards = read
         graphs.backend, graphs.precision = backend, precision
         if saver is not None:
             saver(graphs.base, "inference")
@@ -266,6 +279,18 @@ class ORTModule(torch.nn.Module):
         return super().register_full_backward_hook(hook, prepend=prepend)
 
     # -- the wrapped module's view --------------------------------------------------------
+    def __setattr__(self, name: str, value) -> None:
+        # A public attribute the wrapped module has (``model.scale = 2.0``, ``model.fc = nn.Linear(...)``) is
+        # set on it, where its forward reads it: set here, it would shadow the wrapped one for reads through
+        # the wrapper while the forward kept using the old value. Names of the wrapper's own (its class's,
+        # ``training``, private ones) stay here.
+        inner = self.__dict__.get("_modules", {}).get("module")
+        if (inner is not None and not name.startswith("_") and name not in self.__dict__
+                and not hasattr(type(self), name) and hasattr(inner, name)):
+            setattr(inner, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
