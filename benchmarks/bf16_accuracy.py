@@ -19,7 +19,7 @@ error from rounding, and the bf16 rows print "undecidable" instead of met / NOT 
 Tasks. BERT (batch 8, lr 5e-4): classify whether the second token is in the lower half of the vocabulary,
 16 fixed batches, cycled. GPT-2 (batch 4, lr 3e-4 after a 20-step linear warm-up): next-token prediction on
 a fixed random Markov source over 256 token ids, 4 successors per id with Dirichlet(1) probabilities, a new
-batch each step; its loss floor (the source's conditional entropy, printed) is about 1.07 nats. (The
+batch each step; its loss floor (the source's conditional entropy, printed) is 1.083 nats at seq 128. (The
 arithmetic-sequence task GPT-2 had before sat on a plateau near log(1000) and dropped at a step that
 rounding decided: two float32 runs ended 5.5% apart.) Models as BENCHMARKS.md (hidden 256, 4 layers, 4 heads).
 """
@@ -212,7 +212,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["bert", "gpt2"], choices=["bert", "gpt2"])
     parser.add_argument("--variants", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", *FP32, *BF16],
-                        help="variants to run, or the groups fp32 / bf16 (default: all; eager always runs first)")
+                        help="variants to run, or the groups fp32 / bf16 (default: all). Without eager, each variant's "
+                        "losses are printed alone (each run is deterministic: runs in separate processes compare)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    wanted = {v for group in args.variants for v in {"fp32": FP32, "bf16": BF16}.get(group, (group,))} | {"eager"}
+    wanted = {v for group in args.variants for v in {"fp32": FP32, "bf16": BF16}.get(group, (group,))}
     variants = [v for v in FP32 + BF16 if v in wanted]  # the float32 runs first, so their spread is known first
     print(f"steps={args.steps} seq={args.seq} threads={args.threads}; final loss = mean of the last 10 steps; "
           f"float32 spread = largest distance of a float32 variant from eager's (required of a task: "
@@ -240,6 +241,10 @@ def main(argv=None) -> int:
                 print(f"  {name} {variant} losses every 20 steps: "
                       + " ".join(f"{x:.4f}" for x in losses[::20] + losses[-1:]), file=sys.stderr)
                 finals[variant] = statistics.fmean(losses[-10:])
+                if "eager" not in finals:
+                    print(f"{name:6} {variant:17} {losses[0]:10.4f} {finals[variant]:10.4f} {'-':>14} "
+                          f"{(time.perf_counter() - start) / 60:8.1f}", flush=True)
+                    continue
                 rel = abs(finals[variant] - finals["eager"]) / finals["eager"]
                 if variant in FP32:
                     spread = max(spread, rel)
@@ -252,10 +257,10 @@ def main(argv=None) -> int:
                     met &= rel <= TARGET and spread <= TARGET
                 print(f"{name:6} {variant:17} {losses[0]:10.4f} {finals[variant]:10.4f} {verdict:>14} "
                       f"{(time.perf_counter() - start) / 60:8.1f}", flush=True)
-        if len([v for v in finals if v in FP32]) > 1:
+        if "eager" in finals and len([v for v in finals if v in FP32]) > 1:
             print(f"{name:6} float32 spread {spread * 100:.2f}% (required of the task: <= {FP32_REQUIRED * 100:.1f}%: "
                   f"{'ok' if spread <= FP32_REQUIRED else 'NOT ok'})", flush=True)
-    if any(v in BF16 and v != "eager-bf16" for v in variants):
+    if "eager" in variants and any(v in BF16 and v != "eager-bf16" for v in variants):
         print(f"target: bf16 final loss within {TARGET * 100:.0f}% of eager float32's: {'met' if met else 'NOT met'}")
     return 0
 

@@ -264,3 +264,34 @@ def test_a_non_contiguous_parameter_is_read_afresh_at_every_step(backend):
         torch.testing.assert_close(model(x), eager(x), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(model.w, eager.w, rtol=1e-5, atol=1e-6)
     assert model.fallback_reason is None
+
+
+class ScalesItsInput(torch.nn.Module):
+    """A forward that changes the caller's tensor in place (``x.mul_(2)``), which no ONNX graph does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+
+    def forward(self, x, keep):
+        x.mul_(2)
+        return self.fc(x + keep).sum()
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_a_forward_that_changes_its_input_in_place_falls_back_and_changes_it_once(monkeypatch, exporter):
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    if exporter == "torchscript":
+        monkeypatch.setattr(capture_export, "_export_dynamo", _broken_dynamo)
+    torch.manual_seed(0)
+    eager = ScalesItsInput()
+    model = ORTModule(copy.deepcopy(eager))
+    x, keep = torch.randn(2, 3), torch.randn(2, 3)
+    x_eager, keep_before = x.clone(), keep.clone()
+    with pytest.warns(UserWarning, match=r"changes its input tensor\(s\) \[0\]"):
+        loss = model(x, keep)
+    want = eager(x_eager, keep)
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(x, x_eager)  # doubled once, by the forward that PyTorch ran, as in eager
+    torch.testing.assert_close(keep, keep_before)
+    assert "changes its input tensor(s) [0]" in model.fallback_reason

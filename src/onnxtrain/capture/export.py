@@ -26,7 +26,7 @@ from onnxtrain.capture.flatten import Constant, Spec, flatten, unflatten
 from onnxtrain.capture.moe import moe_translations
 from onnxtrain.capture.promotion import needs_type_promotion
 from onnxtrain.capture.quiet import quiet_exporter, summary
-from onnxtrain.capture.refuse import refused_reason
+from onnxtrain.capture.refuse import Refused, refused_reason
 from onnxtrain.capture.registry import lazy_registry, registry_key
 from onnxtrain.capture.split_to_slices import split_to_slices
 from onnxtrain.capture.stop_gradient import mark_stop_gradients
@@ -178,6 +178,14 @@ def _export_dynamo_with(wrapper: FlatModule, flat: list[torch.Tensor], verbose: 
     if not hooked["stop_gradients"]:
         raise ExportError(f"torch {torch.__version__}'s ONNX exporter never called the hook where onnxtrain marks "
                           "detach() and no_grad blocks: gradients would flow through them")
+    try:
+        signature = program.exported_program.graph_signature
+        mutated = set(signature.user_inputs_to_mutate.values())
+        names = list(signature.user_inputs)
+    except AttributeError as exc:  # never guess: a mutation the graph drops would go unnoticed
+        raise ExportError(f"torch {torch.__version__}'s exported program does not say which inputs the forward "
+                          f"changes in place ({exc})") from None
+    _refuse_input_mutations([k for k, name in enumerate(names) if name in mutated])
     model = program.model
     model.meta[_DIM_RANGES] = _dim_ranges(program, len(flat))
     return model
@@ -224,7 +232,19 @@ def _finite(value) -> int | None:
     return number if number < 2**62 else None
 
 
+def _refuse_input_mutations(positions: list[int]) -> None:
+    """The forward changes these input tensors in place (``x.mul_(2)``, ``mask[0] = 1``). The exported ONNX
+    graph drops such a change (torch.export records it beside the graph, the TorchScript trace makes it
+    functional), so the caller's tensor would keep its old value where PyTorch changes it: refused."""
+    if positions:
+        raise Refused(f"the forward changes its input tensor(s) {positions} (in flattened argument order) in "
+                      "place, which the ONNX graph would not do to the caller's tensor; it runs in PyTorch")
+
+
 def _export_torchscript(wrapper: FlatModule, flat: list[torch.Tensor], verbose: bool) -> ir.Model:
+    # The tracer runs the forward on real tensors: on copies, so that the caller's tensors never change here.
+    flat = [t.detach().clone().requires_grad_(t.requires_grad) for t in flat]
+    versions = [t._version for t in flat]
     names = [f"input_{i}" for i in range(len(flat))]
     axes = {name: {a: f"{name}_dim{a}" for a in dynamic_axes(t)} for name, t in zip(names, flat)}
     mode = torch.onnx.TrainingMode.TRAINING if wrapper.training else torch.onnx.TrainingMode.EVAL
@@ -240,6 +260,7 @@ def _export_torchscript(wrapper: FlatModule, flat: list[torch.Tensor], verbose: 
     finally:
         watch, wrapper.watch = wrapper.watch, None
     _refuse_example_dependent_trace(caught)
+    _refuse_input_mutations([k for k, (t, v) in enumerate(zip(flat, versions)) if t._version != v])
     if watch.seen:
         raise ExportError(f"the module's forward {watch.seen}, which the TorchScript exporter does not keep: "
                           "gradients would flow where PyTorch stops them")
