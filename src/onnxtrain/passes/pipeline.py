@@ -199,7 +199,7 @@ def artifacts_training(num_outputs: int, recompute: Recompute | None = None, sum
         steps.append(Step("sum_rows_by_matmul", SumRowsByMatMulPass(),
                           "after autodiff: rewrites the gradients' leading-axis sums"))
     if recompute is not None:
-        planner = RecomputePass(num_outputs, recompute, saved=saved)
+        planner = RecomputePass(num_outputs, recompute, saved=saved, split=False)
         steps.append(Step("recompute", planner,
                           "after the rewrites of the gradient nodes, which it clones forward work for"))
         if seeds:

@@ -332,13 +332,16 @@ class RecomputePass(ir.passes.InPlacePass):
 
     ``num_forward_outputs``: the joint graph's first outputs are the forward's (the rest are gradients);
     ``dims``: sizes of symbolic dims, over the plan's; ``saved``: what passes before autodiff took off the
-    stash (:class:`Saved`), counted in the budget's reference. After the call, ``self.plan`` is the plan it
+    stash (:class:`Saved`), counted in the budget's reference; ``split``: whether the graph is split into a
+    forward and a backward session, whose outputs the caller drops after the forward (ORTModule), or runs
+    as one (the artifacts; :class:`~onnxtrain.passes.peak.PeakModel`). After the call, ``self.plan`` is the plan it
     followed.
     """
 
     def __init__(self, num_forward_outputs: int, plan: Recompute | None = None, dims: Mapping[str, int] | None = None,
-                 saved: Iterable[Saved] = ()):
+                 saved: Iterable[Saved] = (), split: bool = True):
         super().__init__()
+        self.split = split  # the graph runs as a forward and a backward session (ORTModule), or as one
         self.num_forward_outputs = num_forward_outputs
         self.options = plan or Recompute()
         self.dims = {**self.options.dims, **(dims or {})}
@@ -363,7 +366,7 @@ class RecomputePass(ir.passes.InPlacePass):
         presaved = [(p.name, p.bytes(self.dims)) for p in self.presaved]
         plan = Plan(candidates, sum(_size(v, self.dims) for v in stashed if v not in fwd_outputs)
                     + sum(b for _, b in presaved), presaved=presaved)
-        model_peak = PeakModel(graph, forward, lambda v: _size(v, self.dims)).peak if candidates else None
+        model_peak = PeakModel(graph, forward, lambda v: _size(v, self.dims), self.split).peak if candidates else None
         _choose(plan, self.options, stashed, bounds, order, self.dims, model_peak)
         if model_peak is not None:
             plan.base_peak_bytes = model_peak([])
