@@ -21,6 +21,11 @@ between steps as the planner models it (``Plan.peak_bytes``, passes/peak.py), an
 does not). Ratios are to no recompute (``budget 1.0``). "eager" is PyTorch without ORTModule, for comparison.
 ``--allocator glibc`` runs both sides on glibc with its own thresholds (no onnxruntime arena): one allocator
 for both, for step times without the fresh-page faults ``malloc`` charges (docs/memory.md).
+
+``--workloads ondevice-bert`` (or ``ondevice-mlp``) runs the on-device artifacts instead, generated once per
+budget with ``generate_artifacts(recompute=Recompute(budget, dims=...))`` and trained by ``onnxtrain.api``
+(training and optimizer models), against eager PyTorch's step, with the same table and targets; the stash
+kept and the modelled peak come from the plan's table, logged when the artifacts are generated.
 """
 
 from __future__ import annotations

@@ -135,3 +135,15 @@ def test_peak_model_by_hand():
     spans = intervals(steps, model.sizes, outputs=list(graph.outputs))
     assert spans[exp.outputs[0]][:2] == (1, 2)  # read by Tanh only
     assert model.peak([[exp]]) == 200
+
+
+def test_split_peak_model_frees_the_forward_outputs_when_the_forward_returns():
+    """ORTModule's forward returns y to the caller, who drops it (the loss is taken from it in the model):
+    y counts until the forward's end, not beside the gradients. a, b, c and y at the forward's end (160),
+    then a, b, c and d1 (160): without the split, y stays and d1 makes 200."""
+    graph, forward = _joint()
+    split = PeakModel(graph, forward, lambda v: 40, split=True)
+    assert split.peak([]) == 160
+    names = [s.name for s in split.steps([])]
+    assert names.index("forward returns") == 4  # after Neg, the last forward node
+    assert PeakModel(graph, forward, lambda v: 40).peak([]) == 200

@@ -84,6 +84,8 @@ class OrderBackwardPass(ir.passes.InPlacePass):
             if anchor is None or x is None:
                 continue
             after = [v for v in anchor.inputs if v in seeded]
+            if not after:
+                continue
             g = max(after, key=lambda v: position.get(v.producer(), -1))
             if g not in gates:
                 gates[g] = _empty_from(graph, node, g)

@@ -7,6 +7,11 @@ forward reader. :func:`onnxtrain.passes.liveness.simulate` gives the peak of the
 graph inputs and initializers (parameters, the batch) count 0: the peak is above what stays alive between
 steps, as the activation memory the benchmark measures. ``Shape``/``Size`` gradient nodes read nothing:
 the split runs them in forward.
+
+The graph's outputs: with ``split=True`` (ORTModule, whose forward and backward are two sessions) the
+forward's outputs are alive until the forward returns and then the caller's, who drops them (a training
+loop keeps the loss's value, not the logits), so they count until the last forward node; the gradients
+to the end. With ``split=False`` (the artifacts' one session) every output is alive to the end.
 """
 
 from __future__ import annotations
@@ -28,11 +33,15 @@ class PeakModel:
     """``peak(subgraphs)``: the modelled peak, in bytes, with those subgraphs (lists of forward nodes)
     recomputed for the gradient nodes."""
 
-    def __init__(self, graph: ir.Graph, forward: set[ir.Node], size: Callable[[ir.Value], int]):
+    def __init__(self, graph: ir.Graph, forward: set[ir.Node], size: Callable[[ir.Value], int], split: bool = False):
         self.nodes = list(graph)
         self.position = {node: k for k, node in enumerate(self.nodes)}
         self.forward = forward
-        self.outputs = list(graph.outputs)
+        returned = [v for v in graph.outputs if v.producer() in forward] if split else []
+        self.outputs = [v for v in graph.outputs if v not in returned]
+        # the forward's outputs are read once more where the forward returns (after its last node)
+        self.returned = returned
+        self.forward_end = max((self.position[n] for n in forward), default=-1)
         self.sizes: dict[object, int] = {}
         for node in self.nodes:
             for v in node.outputs:
@@ -85,6 +94,8 @@ class PeakModel:
             if node not in self.forward:
                 reads = [backward_read(v) for v in reads]
             steps.append(step(node, node.name or "", reads, list(node.outputs)))
+            if k == self.forward_end and self.returned:
+                steps.append(Step("forward returns", tuple(self.returned), ()))
         return steps
 
     def peak(self, subgraphs: Iterable[Sequence[ir.Node]]) -> int:
