@@ -56,7 +56,7 @@ class ChunkCrossEntropyPass(ir.passes.InPlacePass):
     ``self.chunked`` has one entry per loss rewritten: its name, block rows, vocabulary size, and whether
     the full logits are still made (for an output or another reader); ``self.saved`` one
     :class:`~onnxtrain.passes.recompute.Saved` per loss: the log-softmax that backward no longer stashes,
-    and the two gradients it stashes instead (for the recompute budget's reference)."""
+    and the two gradients it stashes instead (a line of the recompute plan's table)."""
 
     def __init__(self, block_bytes: int | None = None):
         super().__init__()

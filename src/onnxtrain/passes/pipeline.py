@@ -132,7 +132,7 @@ def ortmodule_training(num_forward_outputs: int, recompute: Recompute | None = N
                        dims: Mapping[str, int] | None = None, saved: Sequence[Saved] = ()) -> Pipeline:
     """The joint graph (forward + gradients, just differentiated) before the forward/backward split.
     ``num_forward_outputs``: its first outputs are the forward's; ``dims``: sizes of its symbolic dims;
-    ``saved``: :func:`presaved` of the ``before_autodiff`` run, counted in the recompute budget's reference."""
+    ``saved``: :func:`presaved` of the ``before_autodiff`` run, shown in the recompute plan's table."""
     return Pipeline("ortmodule_training", [
         Step("expand_cross_entropy", ExpandCrossEntropyPass(),
              "after autodiff: the SoftmaxCrossEntropyLoss rule builds the cheaper backward"),
