@@ -31,16 +31,21 @@ def _step(net, opt, x):
     return loss
 
 
+def _pair(cls):
+    """A module, an ORTModule of a copy of it, and an SGD for each."""
+    torch.manual_seed(0)
+    eager = cls()
+    model = ORTModule(copy.deepcopy(eager))
+    return eager, model, *(torch.optim.SGD(n.parameters(), lr=0.1) for n in (eager, model))
+
+
 def _close(model, eager):
     for (name, got), want in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_a_changed_attribute_gives_a_graph_of_its_own_and_trains_as_pytorch():
-    torch.manual_seed(0)
-    eager = Scaled()
-    model = ORTModule(copy.deepcopy(eager))
-    opt_e, opt_m = (torch.optim.SGD(n.parameters(), lr=0.1) for n in (eager, model))
+    eager, model, opt_e, opt_m = _pair(Scaled)
     x = torch.randn(5, 3)
     for scale in (0.5, 2.0, 0.5):
         if scale != model.module.scale:
@@ -97,10 +102,7 @@ class Norm(torch.nn.Module):
 
 def test_a_submodule_switched_to_eval_alone_uses_its_running_statistics():
     # Freezing BatchNorm while the rest trains (common in fine-tuning) changes bn.training only.
-    torch.manual_seed(0)
-    eager = Norm()
-    model = ORTModule(copy.deepcopy(eager))
-    opt_e, opt_m = (torch.optim.SGD(n.parameters(), lr=0.1) for n in (eager, model))
+    eager, model, opt_e, opt_m = _pair(Norm)
     x = torch.randn(6, 3)
     for frozen in (False, True, True):
         if frozen:
