@@ -142,15 +142,18 @@ def ortmodule_training(num_forward_outputs: int, recompute: Recompute | None = N
     ])
 
 
-def ortmodule_backward() -> Pipeline:
-    """Each backward graph, after the absent output gradients are pruned and before it is cut in stages."""
-    return Pipeline("ortmodule_backward", [
-        Step("strip_stop_gradients", StripStopGradientsPass(), "bound for a session: onnxruntime knows no StopGradient"),
-        Step("sum_rows_by_matmul", SumRowsByMatMulPass(),
-             "after pruning, which cannot see through the Shape this pass reads"),
-        Step("transposed_gemm", TransposedGemmPass(),
-             "after pruning: a pruned gradient leaves no Transpose of a product to fold"),
-    ])
+def ortmodule_backward(sum_rows_by_matmul: bool = True) -> Pipeline:
+    """Each backward graph, after the absent output gradients are pruned and before it is cut in stages.
+    ``sum_rows_by_matmul=False`` keeps the gradients' ``ReduceSum`` (OpenVINO bf16: a product would run in
+    bfloat16, :func:`onnxtrain.runtime.openvino_float32.sums_as_products`)."""
+    steps = [Step("strip_stop_gradients", StripStopGradientsPass(),
+                  "bound for a session: onnxruntime knows no StopGradient")]
+    if sum_rows_by_matmul:
+        steps.append(Step("sum_rows_by_matmul", SumRowsByMatMulPass(),
+                          "after pruning, which cannot see through the Shape this pass reads"))
+    steps.append(Step("transposed_gemm", TransposedGemmPass(),
+                      "after pruning: a pruned gradient leaves no Transpose of a product to fold"))
+    return Pipeline("ortmodule_backward", steps)
 
 
 def ortmodule_inference() -> Pipeline:
