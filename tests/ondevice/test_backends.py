@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -141,6 +142,11 @@ def test_bf16_artifacts_run_in_bf16(mlp_onnx, tmp_path):
     assert (module.backend, module.precision) == expected
     assert Module(paths.training_model, CheckpointState.load_checkpoint(paths.checkpoint),
                   precision="fp32").backend == "onnxruntime"
+    # the gradients' row sums (the biases') stay ReduceSum: as a MatMul by ones OpenVINO would run them in bfloat16
+    ops = [n.op_type for n in onnx.load(paths.training_model).graph.node]
+    assert ops.count("ReduceSum") == 3 and ops.count("MatMul") == 0, sorted(set(ops))
+    float32 = generate(path, tmp_path / "fp32", requires_grad=params, loss="crossentropy", optimizer="adamw")
+    assert "ReduceSum" not in {n.op_type for n in onnx.load(float32.training_model).graph.node}
     with pytest.raises(ValueError, match="unknown precision 'fp8' for artifacts"):
         generate(path, tmp_path / "fp8", requires_grad=params, loss="crossentropy", precision="fp8")
 

@@ -42,9 +42,11 @@ LOSS_SEEDS = frozenset({"LogSoftmax", "Exp"})
 # An Exp seeds the region only when it reads a LogSoftmax or a graph input (the saved log-probabilities in a
 # backward graph): GELU's gradient has an Exp too, and from it the region took in every layer's GELU.
 _EXP_SOURCES = frozenset({"LogSoftmax", "Parameter"})
-POLICIES = ("none", "loss", "all")
-POLICY_ENV = "ONNXTRAIN_OPENVINO_FLOAT32"  # "loss" (the default), "none" (the plugin's own choice) or "all"
-DEFAULT_POLICY = "loss"
+POLICIES = ("none", "loss", "sums", "all")
+POLICY_ENV = "ONNXTRAIN_OPENVINO_FLOAT32"  # "sums" (the default), "loss", "none" (the plugin's own choice) or "all"
+DEFAULT_POLICY = "sums"
+# The policies under which the gradients' row sums stay ReduceSum (float32) rather than becoming products
+_FLOAT32_SUMS = frozenset({"sums", "all"})
 _NOT_OPS = frozenset({"Parameter", "Constant", "Result"})
 # what the IR reader turns into ov::DisablePrecisionConversion: no conversion to float16 or bfloat16
 _ATTRIBUTE = {"name": "DisablePrecisionConversion", "version": "0", "value": "dynamic:f16,bf16"}
@@ -86,11 +88,19 @@ def graph_of(model) -> list[tuple[str, str, bool, list[str]]]:
 
 
 def policy(name: str | None = None) -> str:
-    """The policy to apply: ``name``, else ``ONNXTRAIN_OPENVINO_FLOAT32``, else "loss"."""
+    """The policy to apply: ``name``, else ``ONNXTRAIN_OPENVINO_FLOAT32``, else "sums"."""
     name = name or os.environ.get(POLICY_ENV) or DEFAULT_POLICY
     if name not in POLICIES:
         raise ValueError(f"unknown OpenVINO float32 policy {name!r} ({POLICY_ENV}); choose one of {list(POLICIES)}")
     return name
+
+
+def sums_as_products(precision: str, name: str | None = None) -> bool:
+    """Whether a graph run in ``precision`` may sum its gradients' rows with a ``MatMul`` by a row of ones
+    (:mod:`onnxtrain.passes.sum_rows_by_matmul`): not in "bf16" under the "sums" and "all" policies, where
+    OpenVINO would run that product in bfloat16 (its rows and its result rounded) and keeps a ``ReduceSum``
+    float32. Decided when the graphs are built, before any session is made."""
+    return precision != "bf16" or policy(name) not in _FLOAT32_SUMS
 
 
 def keep_float32(model, core, name: str | None = None):
@@ -98,7 +108,7 @@ def keep_float32(model, core, name: str | None = None):
     model read by ``core``, or ``model`` itself when the policy is "none" or chooses no node."""
     chosen = policy(name)
     if chosen == "none":
-        return model
+        return model  # "sums" marks the loss region as "loss" does: its row sums are ReduceSums already
     names = float32_region(graph_of(model), seeds=None if chosen == "all" else LOSS_SEEDS)
     if not names:
         return model
