@@ -29,6 +29,8 @@ class ORTFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graphs: SchemaGraphs, training: Training, *tensors: torch.Tensor):
         reseed(graphs)
+        if training.release:  # what was freed since the last step (its gradients, at zero_grad) goes back first
+            release_arena()
         n_visible = graphs.num_outputs + len(graphs.mutated_buffers)
         ctx.training = training
         ctx.num_tensors = len(tensors)
