@@ -16,6 +16,7 @@ from torch.autograd.function import once_differentiable
 
 from onnxtrain.ortmodule.graphs import SchemaGraphs, Training
 from onnxtrain.passes.defer_row_scatters import RowScatters
+from onnxtrain.utils.ort_options import release_arena
 
 
 def reseed(graphs: SchemaGraphs) -> None:
@@ -107,6 +108,8 @@ def _result(ctx, training: Training, zero_rows: dict[int, int], grads: list[torc
     result: list[torch.Tensor | None] = [None] * ctx.num_tensors
     for k, row in zero_rows.items():
         grads[k][row] = 0
+    if training.release:  # the step's last onnxruntime work is done and its values dropped
+        release_arena()
     for position, grad in zip(training.wrt, grads):
         result[position] = grad
     return (None, None, *result)
