@@ -181,7 +181,8 @@ def test_transformer_bf16_graphs_all_convert_in_openvino(kind, float32_ops, monk
     # Gradient error against float64, as a multiple of eager autocast bf16's, with the fused forward + backward
     # call. OpenVINO's hint alone ("none"): medians 1.36x, BERT's classifier.bias 12.0x (its
     # gradient, [0.0067, -0.0067] in float64, came out as [0.0078125, -0.0078125]: the loss gradient cancels
-    # in bfloat16). The loss region kept float32 (the default, runtime/openvino_float32.py): BERT median 1.00x, worst 1.76x
+    # in bfloat16). The loss region kept float32 (twelfth session, runtime/openvino_float32.py): BERT median
+    # 1.00x, worst 1.76x
     # (a LayerNorm weight; 1.31x when attention softmax and GELU were in the region too);
     # GPT-2 median 1.46x, worst 1.94x (wpe).
     worst = max(ratios, key=ratios.get)
