@@ -246,3 +246,30 @@ def test_a_module_backward_hook_runs_the_module_in_pytorch(where, monkeypatch):
                      register if where == "after_first_step" else (lambda net: None))
     assert model.fallback_reason is not None and "backward hook" in model.fallback_reason
     assert ("the wrapped module" if where == "wrapped" else "submodule 'act'") in model.fallback_reason
+
+
+TEMPERATURE = 1.0  # a module-level value the forward below reads: a constant in its graph
+
+
+class Tempered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 4)
+
+    def forward(self, x):
+        return (self.fc(x) / TEMPERATURE).tanh().pow(2).sum()
+
+
+def test_a_changed_global_the_forward_reads_gives_a_graph_of_its_own(monkeypatch):
+    eager, model, opt_e, opt_m = _pair(Tempered)
+    x = torch.randn(5, 3)
+
+    def warmer(net):
+        monkeypatch.setitem(globals(), "TEMPERATURE", 4.0)
+
+    _train_alongside(eager, model, opt_e, opt_m, x, warmer)
+    assert model.export_count == 2 and model.fallback_reason is None
+    monkeypatch.setitem(globals(), "TEMPERATURE", 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # back to the first value: the first graph, no export, no warning
+        torch.testing.assert_close(model(x), eager(x), rtol=1e-5, atol=1e-6)

@@ -15,6 +15,8 @@ this module does the same for ORTModule's export:
   module hooks'). Export traces the forward hooks into the graph and calls the submodules there, so a
   submodule replaced by another (``model.act = nn.Tanh()``) or a hook added or removed later is a change
   like a value's: a new graph.
+- Module-level values (``SCALE``) that those methods name are guarded the same way (only those named by
+  the module's own methods: a helper function elsewhere that reads a global is not seen).
 - :func:`backward_hooks` names a module backward hook in the tree. Its gradients are computed inside the
   graph, where no such hook fires: the module runs in PyTorch instead (decided before export).
 
@@ -70,6 +72,8 @@ class Guards:
     """(module, attribute, value read at export) for every plain value the forward read."""
 
     reads: list[tuple[torch.nn.Module, str, object]] = field(default_factory=list)
+    # (the module's globals, name, value read at export, the module's name) for plain globals module code read
+    global_reads: list[tuple[dict, str, object, str]] = field(default_factory=list)
     paths: dict[int, str] = field(default_factory=dict)  # id(module) -> its name in the tree, for messages
     layout: list[tuple[torch.nn.Module, tuple]] = field(default_factory=list)  # (module, _layout(module))
     global_layout: tuple = ()
@@ -78,7 +82,8 @@ class Guards:
     def hold(self) -> bool:
         if self.fast is not None:
             return self.fast.hold()
-        return all(_same(value, module.__dict__.get(name, _MISSING)) for module, name, value in self.reads)
+        return (all(_same(value, module.__dict__.get(name, _MISSING)) for module, name, value in self.reads)
+                and all(_same(value, g.get(name, _MISSING)) for g, name, value, _ in self.global_reads))
 
     def changed(self) -> list[str]:
         """``"path.name: old -> new"`` for each value that no longer holds."""
@@ -89,6 +94,10 @@ class Guards:
                 path = self.paths.get(id(module), "")
                 now = "(deleted)" if now is _MISSING else repr(now)
                 out.append(f"{path + '.' if path else ''}{name}: {value!r} -> {now}")
+        for g, name, value, where in self.global_reads:
+            now = g.get(name, _MISSING)
+            if not _same(value, now):
+                out.append(f"global {where}.{name}: {value!r} -> {'(deleted)' if now is _MISSING else repr(now)}")
         for module, layout in self.layout:
             now = _layout(module)
             if now != layout:
@@ -122,14 +131,16 @@ class _Check:
     (any registration bumps ``RemovableHandle.next_id``), no hook dict that had hooks got shorter, no
     submodule dict changed length, and each submodule is the same object."""
 
-    def __init__(self, reads: list, modules: list[torch.nn.Module]):
+    def __init__(self, reads: list, global_reads: list, modules: list[torch.nn.Module]):
         self.layout = [(m, _layout(m)) for m in modules]
         self.global_layout = _global_layout()
-        self.owners = [module.__dict__ for module, _, _ in reads]
-        self.names = [name for _, name, _ in reads]
+        entries = [(module.__dict__, name, value) for module, name, value in reads]
+        entries += [(g, name, value) for g, name, value, _ in global_reads]
+        self.owners = [owner for owner, _, _ in entries]
+        self.names = [name for _, name, _ in entries]
         # The object there now where it equals the value read (export may have put an equal copy back).
-        now = [owner.get(name, _MISSING) for owner, name in zip(self.owners, self.names)]
-        self.values = [n if _same(value, n) else value for (_, _, value), n in zip(reads, now)]
+        now = [owner.get(name, _MISSING) for owner, name, _ in entries]
+        self.values = [n if _same(value, n) else value for (_, _, value), n in zip(entries, now)]
         hooks = torch.nn.modules.module
         dicts = [m.__dict__[name] for m in modules for name in (*_FORWARD_HOOKS, *_BACKWARD_HOOKS)
                  if name in m.__dict__]
@@ -186,13 +197,14 @@ def recording(module: torch.nn.Module):
     :class:`Guards`, filled when the block ends. A module whose class cannot be swapped is left unguarded."""
     guards = Guards()
     seen: dict[tuple[int, str], tuple[torch.nn.Module, str, object]] = {}
+    codes: dict = {}  # code object -> its frame's globals if module code runs it, else None
     swapped = []
     subclasses: dict[type, type] = {}
     for path, m in module.named_modules(remove_duplicate=True):
         cls = type(m)
         sub = subclasses.get(cls)
         if sub is None:
-            sub = subclasses[cls] = _recording_class(cls, seen)
+            sub = subclasses[cls] = _recording_class(cls, seen, codes)
         guards.paths[id(m)] = path
         try:
             m.__class__ = sub
@@ -205,15 +217,19 @@ def recording(module: torch.nn.Module):
         for m, cls in swapped:
             m.__class__ = cls
         guards.reads = list(seen.values())
-        guards.fast = _Check(guards.reads, list(module.modules()))
+        guards.global_reads = _globals_read(codes)
+        guards.fast = _Check(guards.reads, guards.global_reads, list(module.modules()))
         guards.layout, guards.global_layout = guards.fast.layout, guards.fast.global_layout
 
 
-def _recording_class(cls: type, seen: dict) -> type:
+def _recording_class(cls: type, seen: dict, codes: dict) -> type:
     parent_getattribute = cls.__getattribute__
 
     def __getattribute__(self, name):
-        value = parent_getattribute(self, name)
+        caller = sys._getframe(1)
+        if caller.f_code not in codes:  # the module code that runs, for the globals it reads
+            codes[caller.f_code] = caller.f_globals if _module_code(caller) else None
+        value = parent_getattribute(self, name)  # raises for a submodule: __getattr__ finds it
         if name.startswith("__") or not _plain(value):
             return value
         own = object.__getattribute__(self, "__dict__")
@@ -224,6 +240,21 @@ def _recording_class(cls: type, seen: dict) -> type:
 
     return type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})
+
+
+def _globals_read(codes: dict) -> list[tuple[dict, str, object, str]]:
+    """The plain module-level values (``SCALE = 0.5`` read as ``x * SCALE``) that the module code which ran
+    during export names: export froze them as it froze attributes. A name the code also uses otherwise
+    (an attribute called the same) is guarded too: harmless, it only re-exports if that global changes."""
+    found = {}
+    for code, g in codes.items():
+        if g is None:
+            continue
+        for name in code.co_names:
+            value = g.get(name, _MISSING)
+            if value is not _MISSING and not name.startswith("__") and _plain(value):
+                found[(id(g), name)] = (g, name, value, g.get("__name__", "?"))
+    return list(found.values())
 
 
 def _module_code(frame) -> bool:
