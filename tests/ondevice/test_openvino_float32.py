@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from onnxtrain.runtime import backends
-from onnxtrain.runtime.openvino_float32 import POLICY_ENV, float32_region, graph_of, keep_float32, policy
+from onnxtrain.runtime.openvino_float32 import (POLICIES, POLICY_ENV, float32_region, graph_of, keep_float32,
+                                                policy, float32_sums)
 
 # A classifier's loss and its gradient, as (name, op type, float32 output, inputs): the region runs from the
 # loss seeds (LogSoftmax, Exp) to the products on either side.
@@ -46,11 +47,19 @@ def test_the_loss_region_stops_at_products_and_at_non_float_ops():
 
 def test_policy_names(monkeypatch):
     monkeypatch.delenv(POLICY_ENV, raising=False)
-    assert policy() == "loss"  # the default: as close to autocast as the products allow, at the same speed
+    assert policy() == "sums"  # the default: as close to autocast as the products allow, at the same speed
     monkeypatch.setenv(POLICY_ENV, "none")
-    assert policy() == "none" and policy("all") == "all"
+    assert policy() == "none" and policy("all") == "all" and policy("loss") == "loss"
     with pytest.raises(ValueError, match="unknown OpenVINO float32 policy 'fp8'"):
         policy("fp8")
+
+
+def test_layer_norm_row_sums_stay_reduce_sums_in_bf16_under_sums_and_all(monkeypatch):
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    assert float32_sums("bf16") and not float32_sums("fp32") and not float32_sums("fp16")
+    assert [float32_sums("bf16", name) for name in POLICIES] == [False, False, True, True]
+    monkeypatch.setenv(POLICY_ENV, "loss")
+    assert not float32_sums("bf16")
 
 
 def _classifier_gradient():

@@ -14,12 +14,18 @@ from onnxtrain.passes.order_backward import OrderBackwardPass
 from onnxtrain.passes.split_forward_backward import ancestors
 
 
-def _joint_graph() -> tuple[ir.Model, ir.Value]:
+def _joint_graph(flatten: bool = False) -> tuple[ir.Model, ir.Value]:
     """loss = sum(tanh(x @ W)^2 * 0.5): the tanh gradient's 1 - h*h and x's transpose read only forward
-    values and inputs, so a runtime may run them before the loss exists."""
-    nodes = [
-        helper.make_node("MatMul", ["x", "W"], ["z"], name="matmul"),
-        helper.make_node("Tanh", ["z"], ["h"], name="tanh"),
+    values and inputs, so a runtime may run them before the loss exists. ``flatten``: the product is
+    reshaped to one axis before the tanh (its gradient reads the product's shape)."""
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["z"], name="matmul"),
+             helper.make_node("Tanh", ["z"], ["h"], name="tanh")]
+    if flatten:
+        nodes = [nodes[0],
+                 helper.make_node("Constant", [], ["flat"], value=helper.make_tensor("flat", TensorProto.INT64, [1], [-1])),
+                 helper.make_node("Reshape", ["z", "flat"], ["zf"], name="reshape"),
+                 helper.make_node("Tanh", ["zf"], ["h"], name="tanh")]
+    nodes += [
         helper.make_node("Mul", ["h", "h"], ["h2"], name="square"),
         helper.make_node("Constant", [], ["half"], value=helper.make_tensor("half", TensorProto.FLOAT, [], [0.5])),
         helper.make_node("Mul", ["h2", "half"], ["s"], name="scale"),
@@ -39,7 +45,7 @@ def _joint_graph() -> tuple[ir.Model, ir.Value]:
 
 
 def _waiting(model: ir.Model, seed: ir.Value) -> list[str]:
-    """The backward nodes that read something other than constants and do not depend on the seed (a gate's
+    """The backward nodes that read something other than constants and do not depend on the seed (a
     ``Shape`` reads only its input's shape and makes a few integers: left out)."""
     graph = model.graph
     forward = ancestors(graph.outputs[:1])
@@ -47,7 +53,7 @@ def _waiting(model: ir.Model, seed: ir.Value) -> list[str]:
     after_seed = {seed}
     free = []
     for node in graph:
-        if node in forward or (node.op_type == "Shape" and "/gate_" in (node.name or "")):
+        if node in forward or node.op_type == "Shape":
             continue
         if any(v in after_seed for v in node.inputs):
             after_seed.update(node.outputs)
@@ -94,3 +100,32 @@ def test_the_pass_does_nothing_when_told_not_to_run():
     count = len(list(model.graph))
     result = OrderBackwardPass(1, [seed], when=lambda: False)(model)
     assert not result.modified and len(list(result.model.graph)) == count
+
+
+def test_a_shape_read_by_backward_is_taken_in_forward_not_gated():
+    """A ``Shape`` reads only its input's shape: gated, it kept the whole input alive until backward (on
+    BERT-small at 4x batch, 37 of the 98 gates did so, for the ``Reshape`` gradients). It is moved right
+    after its input's producer instead, ungated, so that the input can be freed after its forward readers."""
+    model, seed = _joint_graph(flatten=True)
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((5, 4)).astype(np.float32), rng.standard_normal((4, 3)).astype(np.float32)
+    before = _run(model, x, w, ort.ExecutionOrder.DEFAULT)
+    shapes = [n for n in model.graph if n.op_type == "Shape" and n.inputs[0].name == "z"]
+    assert len(shapes) == 1, "the Reshape gradient should read the product's shape"
+
+    step = OrderBackwardPass(1, [seed])
+    result = step(model)
+
+    assert result.modified and step.hoisted >= 1
+    nodes = list(result.model.graph)
+    shape = shapes[0]
+    assert shape.inputs[0].name == "z", "the Shape must read the forward value itself, not a gate"
+    assert nodes.index(shape) == nodes.index(shape.inputs[0].producer()) + 1
+    assert _waiting(result.model, seed) == []
+    h = np.tanh(x @ w)
+    expected = x.T @ (h * (1 - h * h))
+    for order in (ort.ExecutionOrder.DEFAULT, ort.ExecutionOrder.PRIORITY_BASED):
+        after = _run(result.model, x, w, order)
+        np.testing.assert_array_equal(after[0], before[0])
+        np.testing.assert_array_equal(after[1], before[1])
+        np.testing.assert_allclose(after[1], expected, rtol=1e-5, atol=1e-6)

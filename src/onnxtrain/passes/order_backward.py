@@ -20,6 +20,11 @@ indices, last in that order). ONNX has no control edges, so this pass adds a dat
   ``x`` (the shape it is reshaped to is its own; the slice of ``g`` is empty), no byte is copied
   (onnxruntime's ``Reshape`` aliases its input), and no constant folding removes it (the slice reads
   ``g``'s values), but the root cannot run before ``g`` exists: just before the anchor could run;
+- a ``Shape`` or ``Size`` that reads a forward value is not free work but metadata: it moves right after
+  its input's producer, ungated (its readers become roots instead). Gated, it kept its whole input alive
+  until backward for a few integers: on BERT-small at 4x batch 37 of the 98 gates held the inputs of the
+  ``Reshape`` gradients' ``Shape`` (the query, key and value projections of every layer, each in up to
+  three layouts), and activation memory fell 374 -> 294 MB at budget 0.5 and 334 -> 262 MB at 0 without;
 - the graph is then sorted again, stably (``ir.Graph.sort``): a root moves after its anchor's input.
 
 Gradients are unchanged (a gate is an identity on values; autodiff ran before). Where an anchor is not found
@@ -33,6 +38,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from onnxtrain.passes.peak import SHAPE_OPS
 from onnxtrain.passes.split_forward_backward import ancestors
 
 
@@ -42,7 +48,7 @@ class OrderBackwardPass(ir.passes.InPlacePass):
     ``num_forward_outputs``: the graph's first outputs are the forward's; the rest are gradients.
     ``seeds``: the values autodiff started backward from (the loss's incoming gradient). ``when``: the pass
     runs only where it answers True (the artifacts: where the recompute plan recomputes something). After
-    the call, ``self.gated`` is the number of gates added."""
+    the call, ``self.gated`` is the number of gates added, ``self.hoisted`` the ``Shape``/``Size`` nodes moved."""
 
     def __init__(self, num_forward_outputs: int, seeds: Sequence[ir.Value], when: Callable[[], bool] | None = None):
         super().__init__()
@@ -50,6 +56,7 @@ class OrderBackwardPass(ir.passes.InPlacePass):
         self.seeds = list(seeds)
         self.when = when
         self.gated = 0
+        self.hoisted = 0
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -64,6 +71,7 @@ class OrderBackwardPass(ir.passes.InPlacePass):
         constants = set(graph.initializers.values())
         seeded: set[ir.Value] = set(self.seeds)
         free: list[ir.Node] = []
+        shapes: list[ir.Node] = []
         for node in nodes:
             if node in forward:
                 continue
@@ -71,6 +79,8 @@ class OrderBackwardPass(ir.passes.InPlacePass):
                 seeded.update(node.outputs)
             elif all(v is None or v in constants for v in node.inputs):
                 constants.update(v for v in node.outputs if v not in seeded)  # constant folding's
+            elif _onnx(node) and node.op_type in SHAPE_OPS:
+                shapes.append(node)  # reads only its input's shape: runs early, see _hoist
             else:
                 free.append(node)
         is_free = set(free)
@@ -91,10 +101,33 @@ class OrderBackwardPass(ir.passes.InPlacePass):
                 gates[g] = _empty_from(graph, node, g)
             node.replace_input_with(list(node.inputs).index(x), _gate(graph, node, x, gates[g], self.gated))
             self.gated += 1
-        if not self.gated:
+        self.hoisted = _hoist(graph, shapes)
+        if not self.gated and not self.hoisted:
             return ir.passes.PassResult(model, modified=False)
         graph.sort()
         return ir.passes.PassResult(model, modified=True)
+
+
+def _hoist(graph: ir.Graph, shapes: list[ir.Node]) -> int:
+    """Move each ``Shape``/``Size`` node right after the node that makes its input (the graph's start for
+    a graph input): the number moved. It reads only the shape, so its input can then be freed after its
+    last forward reader instead of staying alive until backward (onnxruntime's priority-based order also
+    runs these two ops as soon as their input exists)."""
+    moved = 0
+    for node in shapes:
+        x = node.inputs[0]
+        producer = x.producer() if x is not None else None
+        graph.remove(node)
+        if producer is not None:
+            graph.insert_after(producer, node)
+        else:
+            graph.insert_before(next(iter(graph)), node)
+        moved += 1
+    return moved
+
+
+def _onnx(node: ir.Node) -> bool:
+    return node.domain in ("", "ai.onnx")
 
 
 def _anchors(free: list[ir.Node], is_free: set[ir.Node], position: dict[ir.Node, int]) -> dict[ir.Node, ir.Node]:

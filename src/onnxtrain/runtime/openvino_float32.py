@@ -8,8 +8,8 @@ bfloat16 that difference cancels, and the gradients of the layers under it came 
 float64 than eager autocast's (BERT-small's ``classifier.bias``). Autocast computes the loss and its gradient in
 float32.
 
-The policy (:func:`float32_region`, a function of the graph alone), ``ONNXTRAIN_OPENVINO_FLOAT32=loss``, the
-default: the **loss region** is kept in float32: starting from ``LogSoftmax`` and from an ``Exp`` that reads a
+The policy (:func:`float32_region`, a function of the graph alone), ``ONNXTRAIN_OPENVINO_FLOAT32=sums``, the
+default (``loss`` is the same without the row sums below): the **loss region** is kept in float32: starting from ``LogSoftmax`` and from an ``Exp`` that reads a
 log-softmax or a graph input (the cross-entropy's gradient is ``Exp`` of the saved log-probabilities), every
 float32 op connected to them, in either direction, without crossing a product or a non-float op. The
 products themselves still run in bfloat16 (their inputs are cast down at the region's edge). Not seeds:
@@ -18,7 +18,10 @@ residual stream's gradient), attention's ``Softmax`` and GELU's gradient's ``Exp
 in every layer's attention and GELU, 125 of BERT-small's fused graph's 2536 ops instead of 61, and its step
 took 1.10-1.24x instead of 0.96x the plugin's own choice, with no better gradients). ``none`` is the plugin's
 own choice (every op it reaches from a product in bfloat16), ``all`` keeps every op but the products in
-float32 (BERT-small's step 1.17x). Numbers in docs/precision.md.
+float32 (BERT-small's step 1.17x). Under ``sums`` and ``all`` the **row sums** of LayerNorm's gradients stay
+``ReduceSum`` when the graphs are built (:func:`float32_sums`): as a ``MatMul`` by ones the plugin ran them in
+bfloat16, and GPT-2-small's ``ln_f.bias`` gradient was 1.23x further from float64 than autocast's (1.01x as
+``ReduceSum``). Numbers in docs/precision.md.
 
 How the ops are kept: the CPU plugin leaves a node's precision alone when the node carries OpenVINO's
 ``DisablePrecisionConversion`` runtime attribute (``ov::disable_conversion``, read in the plugin's
@@ -42,9 +45,11 @@ LOSS_SEEDS = frozenset({"LogSoftmax", "Exp"})
 # An Exp seeds the region only when it reads a LogSoftmax or a graph input (the saved log-probabilities in a
 # backward graph): GELU's gradient has an Exp too, and from it the region took in every layer's GELU.
 _EXP_SOURCES = frozenset({"LogSoftmax", "Parameter"})
-POLICIES = ("none", "loss", "all")
-POLICY_ENV = "ONNXTRAIN_OPENVINO_FLOAT32"  # "loss" (the default), "none" (the plugin's own choice) or "all"
-DEFAULT_POLICY = "loss"
+POLICIES = ("none", "loss", "sums", "all")
+POLICY_ENV = "ONNXTRAIN_OPENVINO_FLOAT32"  # "sums" (the default), "loss", "none" (the plugin's own choice) or "all"
+DEFAULT_POLICY = "sums"
+# The policies under which the gradients' row sums stay ReduceSum (float32) rather than becoming products
+_FLOAT32_SUMS = frozenset({"sums", "all"})
 _NOT_OPS = frozenset({"Parameter", "Constant", "Result"})
 # what the IR reader turns into ov::DisablePrecisionConversion: no conversion to float16 or bfloat16
 _ATTRIBUTE = {"name": "DisablePrecisionConversion", "version": "0", "value": "dynamic:f16,bf16"}
@@ -86,11 +91,22 @@ def graph_of(model) -> list[tuple[str, str, bool, list[str]]]:
 
 
 def policy(name: str | None = None) -> str:
-    """The policy to apply: ``name``, else ``ONNXTRAIN_OPENVINO_FLOAT32``, else "loss"."""
+    """The policy to apply: ``name``, else ``ONNXTRAIN_OPENVINO_FLOAT32``, else "sums"."""
     name = name or os.environ.get(POLICY_ENV) or DEFAULT_POLICY
     if name not in POLICIES:
         raise ValueError(f"unknown OpenVINO float32 policy {name!r} ({POLICY_ENV}); choose one of {list(POLICIES)}")
     return name
+
+
+def float32_sums(precision: str, name: str | None = None) -> bool:
+    """Whether a graph run in ``precision`` keeps the gradients' row sums that no product reads (LayerNorm's
+    weight and bias gradients) as ``ReduceSum`` rather than a ``MatMul`` by a row of ones
+    (:mod:`onnxtrain.passes.sum_rows_by_matmul`): in "bf16" under the "sums" and "all" policies. OpenVINO runs
+    such a product in bfloat16 (its rows and its result rounded), the ``ReduceSum`` in float32, as autocast sums
+    a LayerNorm's gradients. A linear layer's bias gradient stays a product: its rows are a product's output
+    gradient, which autocast sums in bfloat16 too, and as ``ReduceSum`` the step took 1.14-1.22x (BERT-small).
+    Decided when the graphs are built, before any session is made."""
+    return precision == "bf16" and policy(name) in _FLOAT32_SUMS
 
 
 def keep_float32(model, core, name: str | None = None):
@@ -98,7 +114,7 @@ def keep_float32(model, core, name: str | None = None):
     model read by ``core``, or ``model`` itself when the policy is "none" or chooses no node."""
     chosen = policy(name)
     if chosen == "none":
-        return model
+        return model  # "sums" marks the loss region as "loss" does: its row sums are ReduceSums already
     names = float32_region(graph_of(model), seeds=None if chosen == "all" else LOSS_SEEDS)
     if not names:
         return model
