@@ -3,13 +3,13 @@
     python benchmarks/memory_bench.py --workloads bert gpt2 --budgets 1.0 0.75 0.5 0.25 0.0 --scale 4
     python benchmarks/memory_bench.py --workloads bert --budgets none 1.0 0.5 0.0 --rounds 2
 
-Activation memory is measured with ``--allocator malloc`` (the default): glibc with a fixed mmap threshold,
-for eager PyTorch as for ORTModule, and onnxruntime's arena handed back to the system at the end of each
-step (``ONNXTRAIN_CPU_ARENA=release``: what ORTModule does under a recompute budget; docs/memory.md), so
-that what a step frees goes back to the system. ``--allocator malloc-noarena`` is the setting before
-(onnxruntime without an arena: each of its buffers a fresh mmap, faulted in page by page). With the
-library's default (``--allocator arena``) the arena keeps the step's high-water mark between steps where no
-budget is set ("none"), and "peak minus between" is flat there. Eager is always run, for the peak and step
+Activation memory is measured with ``--allocator malloc`` (the default): onnxruntime without its arena
+(``ONNXTRAIN_CPU_ARENA=0``) and glibc with a fixed mmap threshold, for eager PyTorch as for ORTModule, so
+that what a step frees goes back to the system. ``--allocator malloc-release`` keeps onnxruntime's arena
+and hands it back as each ORTModule step starts and ends (``ONNXTRAIN_CPU_ARENA=release``): fewer fresh
+pages, a higher peak (docs/memory.md). With onnxruntime's arena (``--allocator arena``, the library's
+default) the arena keeps the step's high-water mark between steps, "peak minus between" is flat (57-60 MB
+at every budget) and only the process peak moves. Eager is always run, for the peak and step
 comparisons; the issue's targets are printed after each workload's table, met or not.
 
 Each (workload, budget) runs in its own process (one thread unless --threads), so that onnxruntime's arena
@@ -58,19 +58,22 @@ ARTIFACTS_ENV = "MEMORY_BENCH_ARTIFACTS"  # where the parent put the on-device a
 # A rise in peak RSS smaller than this is not counted: GPT-2-small at 4x keeps the same plan (480.7 MB of stash)
 # at budgets 0.5, 0.25 and 0.0, and its peaks, all 1746 MB when rounded, still differed by a fraction of a MB.
 RSS_NOISE_MB = 1.0
-# "malloc": glibc with a fixed mmap threshold, so that every buffer of 64 KiB or more torch frees is returned
-# to the system, and onnxruntime's arena handed back at the end of every step: RSS between steps is then what
-# stays alive (weights, gradients, optimizer state), and the peak above it is the step's. The on-device
-# runtime does not hand its arena back: its workloads run under "malloc-noarena" instead.
-# "malloc-noarena": the same without an onnxruntime arena (each buffer of 64 KiB or more a fresh mmap).
-# "arena": each side's default (onnxruntime's arena handed back only under a recompute budget).
+# "malloc": onnxruntime without its arena and glibc with a fixed mmap threshold, so that every buffer of
+# 64 KiB or more (torch's and onnxruntime's alike) is returned to the system when freed: RSS between steps
+# is then what stays alive (weights, gradients, optimizer state), and the peak above it is the step's.
+# "malloc-release": the same glibc setting, and ORTModule's arena handed back to the system as each step starts
+# and ends (ONNXTRAIN_CPU_ARENA=release; the on-device runtime does not hand it back): inside a step freed
+# buffers are reused, not mapped afresh (faults and system time fall), and the arena holds what a step frees
+# until the step ends (activation memory rises; docs/memory.md, "The arena handed back").
+# "arena": onnxruntime's shared arena (the default), which never shrinks; only the process peak moves.
 # "glibc": onnxruntime without its arena and glibc with its own (dynamic) thresholds, for both sides: one
-# allocator, which keeps freed memory for reuse as it sees fit. For step times: under "malloc-noarena" every buffer of
+# allocator, which keeps freed memory for reuse as it sees fit. For step times: under "malloc" every buffer of
 # 64 KiB or more is a fresh mmap whose pages fault on first touch, which charges the side that allocates more
 # fresh buffers (ORTModule's decomposed backward: docs/memory.md, "Step time at 4x batch").
 ALLOCATORS = {
-    "malloc": {"ONNXTRAIN_CPU_ARENA": "release", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"},
-    "malloc-noarena": {"ONNXTRAIN_CPU_ARENA": "0", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"},
+    "malloc": {"ONNXTRAIN_CPU_ARENA": "0", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"},
+    "malloc-release": {"ONNXTRAIN_CPU_ARENA": "release", "MALLOC_MMAP_THRESHOLD_": "65536",
+                       "MALLOC_TRIM_THRESHOLD_": "65536"},
     "arena": {},
     "glibc": {"ONNXTRAIN_CPU_ARENA": "0"},
 }
@@ -103,7 +106,7 @@ def _usage() -> tuple[float, float, int]:
 def measure(step, steps: int) -> dict:
     """A warm-up step, then ``steps`` timed ones: step time, RSS before each, activation (peak - before),
     and each step's CPU time (user, system) and minor page faults (a page touched for the first time: under
-    the "malloc-noarena" allocator, every page of every buffer of 64 KiB or more the step allocates)."""
+    the "malloc" allocator, every page of every buffer of 64 KiB or more the step allocates)."""
     step()
     times, between, step_peak, user, system, faults = [], [], [], [], [], []
     for _ in range(steps):
@@ -277,10 +280,7 @@ def ondevice_worker(workload: str, budget: str, steps: int, scale: int, threads:
 def run_one(workload: str, budget: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", workload, budget, "--steps", str(args.steps),
            "--scale", str(args.scale), "--threads", str(args.threads)]
-    allocator = args.allocator
-    if allocator == "malloc" and workload.startswith("ondevice-"):
-        allocator = "malloc-noarena"  # the on-device runtime does not hand its arena back (ORTModule only)
-    env = {**os.environ, **ALLOCATORS[allocator], ARTIFACTS_ENV: str(args.artifacts or "")}
+    env = {**os.environ, **ALLOCATORS[args.allocator], ARTIFACTS_ENV: str(args.artifacts or "")}
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{workload} {budget} failed:\n{out.stderr[-3000:]}")

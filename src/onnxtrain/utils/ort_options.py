@@ -12,16 +12,13 @@ And a memory pattern (one block per run for all intermediate values, recorded on
 allocated from the second on) leaves the first run's chunks idle beside it. Measured here: GPT-2-small
 under ORTModule, steady RSS 2.09 -> 1.48 GB; on-device BERT-small, peak RSS 509 -> 393 MB; neither slower.
 
-The arena grows by what each request needs (``arena_extend_strategy`` kSameAsRequested), and where memory
-is asked for (a recompute budget in ORTModule: ``release_step_memory``), a training step ends by handing the
-arena's free regions back to the system (``release_arena``): the RSS between steps is then what stays alive, as
-without an arena, while inside a step freed buffers are reused instead of mapped afresh (BERT-small at 4x
-batch: docs/memory.md, "Step time at 4x batch").
-
-``ONNXTRAIN_CPU_ARENA``: ``1`` (the default, above), ``release`` (hand the arena back at the end of every
-training step, with or without a budget), ``keep`` (never), ``0`` (no arena: onnxruntime allocates each
-buffer from the C heap, as torch does on the CPU, and memory a step frees can go back to the system with
-glibc, for buffers above its mmap threshold).
+The arena grows by what each request needs (``arena_extend_strategy`` kSameAsRequested), so that whole
+regions come free. ``ONNXTRAIN_CPU_ARENA``: ``1`` (the default: one shared arena, which keeps its high-water
+mark), ``release`` (ORTModule's training step starts and ends by handing the arena's free regions back to
+the system, ``release_arena``: the RSS between steps is then what stays alive, as without an arena, while
+inside a step freed buffers are reused instead of mapped afresh; docs/memory.md), ``0`` (no arena:
+onnxruntime allocates each buffer from the C heap, as torch does on the CPU, and memory a step frees can go
+back to the system with glibc, for buffers above its mmap threshold).
 """
 
 from __future__ import annotations
@@ -61,25 +58,21 @@ def shared_cpu_arena() -> bool:
 # Region") in BERT-small's first step.
 ARENA_CONFIG = {"arena_extend_strategy": 1}
 ARENA_ENV = "ONNXTRAIN_CPU_ARENA"
-ARENA_VALUES = ("1", "release", "keep", "0")
+ARENA_VALUES = ("1", "release", "0")
 
 
 def _arena_setting() -> str:
     arena = os.environ.get(ARENA_ENV, "1").strip()
     if arena not in ARENA_VALUES:
-        raise ValueError(f"{ARENA_ENV}={arena!r}: use 1 (one shared CPU arena, handed back at the end of a step "
-                         "under a memory budget; the default), release (handed back at the end of every step), "
-                         "keep (never handed back) or 0 (no arena)")
+        raise ValueError(f"{ARENA_ENV}={arena!r}: use 1 (one shared CPU arena, the default), release (the same, "
+                         "handed back to the system as each training step starts and ends) or 0 (no arena)")
     return arena
 
 
-def release_step_memory(memory_budget: bool) -> bool:
-    """Whether a training step ends by handing the shared arena's free memory back to the system:
-    ``memory_budget`` (the user asked for less memory) unless ``ONNXTRAIN_CPU_ARENA`` says otherwise."""
-    arena = _arena_setting()
-    if arena in ("0", "keep"):
-        return False
-    return (arena == "release" or memory_budget) and shared_cpu_arena()
+def release_step_memory() -> bool:
+    """Whether a training step starts and ends by handing the shared arena's free memory back to the system
+    (``ONNXTRAIN_CPU_ARENA=release``)."""
+    return _arena_setting() == "release" and shared_cpu_arena()
 
 
 @functools.cache
