@@ -157,11 +157,11 @@ def ortmodule_backward(float32_sums: bool = False) -> Pipeline:
     ])
 
 
-def ortmodule_fused(sum_rows_by_matmul: bool = True) -> Pipeline:
+def ortmodule_fused(float32_sums: bool = False) -> Pipeline:
     """The fused forward + backward graph (OpenVINO; :mod:`onnxtrain.ortmodule.fused`) after its absent output
     gradients are pruned: :func:`ortmodule_backward`'s passes, then the loss's log-softmax as a log-sum-exp."""
     return Pipeline("ortmodule_fused", [
-        *ortmodule_backward(sum_rows_by_matmul).steps,
+        *ortmodule_backward(float32_sums).steps,
         Step("log_sum_exp_loss", LogSumExpLossPass(),
              "the loss and its gradient's Exp in one graph: the log-softmax itself need not be made"),
     ])
