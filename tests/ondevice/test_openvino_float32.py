@@ -176,3 +176,26 @@ def test_marking_keeps_names_and_metadata(tmp_path):
     value = np.arange(6, dtype=np.float32).reshape(2, 3)
     np.testing.assert_allclose(session.run(None, {"x": value})[0],
                                np.exp(value) / np.exp(value).sum(1, keepdims=True), rtol=1e-2)
+
+
+def test_a_log_sum_exp_seeds_the_loss_region():
+    """``Exp(x - ReduceMax(x))`` (passes/log_sum_exp_loss.py) seeds the region as LogSoftmax does; GELU's
+    ``Exp`` still does not."""
+    graph = [
+        ("x", "Parameter", True, []),
+        ("w", "Parameter", True, []),
+        ("logits", "MatMul", True, ["x", "w"]),
+        ("axes", "Constant", False, []),
+        ("m", "ReduceMax", True, ["logits", "axes"]),
+        ("d", "Subtract", True, ["logits", "m"]),
+        ("e", "Exp", True, ["d"]),
+        ("s", "ReduceSum", True, ["e", "axes"]),
+        ("lse", "Log", True, ["s"]),
+        ("p", "Exp", True, ["grad_in"]),
+        ("grad_in", "Add", True, ["logits", "lse"]),
+        ("dx", "MatMul", True, ["p", "w"]),
+        ("half_x2", "Multiply", True, ["dx"]),
+        ("gelu_exp", "Exp", True, ["half_x2"]),
+    ]
+    assert float32_region(graph) == {"m", "d", "e", "s", "lse", "p", "grad_in"}
+    assert float32_region([n for n in graph if n[0] != "m"] + [("m", "ReduceMean", True, ["logits", "axes"])]) == set()

@@ -38,6 +38,7 @@ import onnx_ir.passes.common
 from onnxtrain.passes.chunk_cross_entropy import ChunkCrossEntropyPass, chunks_for
 from onnxtrain.passes.expand_cross_entropy import ExpandCrossEntropyPass
 from onnxtrain.passes.initializers_to_inputs import InitializersToInputsPass
+from onnxtrain.passes.log_sum_exp_loss import LogSumExpLossPass
 from onnxtrain.passes.optimize import OptimizePass
 from onnxtrain.passes.order_backward import OrderBackwardPass
 from onnxtrain.passes.recompute import Recompute, RecomputePass, Saved
@@ -153,6 +154,16 @@ def ortmodule_backward(float32_sums: bool = False) -> Pipeline:
              "after pruning, which cannot see through the Shape this pass reads"),
         Step("transposed_gemm", TransposedGemmPass(),
              "after pruning: a pruned gradient leaves no Transpose of a product to fold"),
+    ])
+
+
+def ortmodule_fused(float32_sums: bool = False) -> Pipeline:
+    """The fused forward + backward graph (OpenVINO; :mod:`onnxtrain.ortmodule.fused`) after its absent output
+    gradients are pruned: :func:`ortmodule_backward`'s passes, then the loss's log-softmax as a log-sum-exp."""
+    return Pipeline("ortmodule_fused", [
+        *ortmodule_backward(float32_sums).steps,
+        Step("log_sum_exp_loss", LogSumExpLossPass(),
+             "the loss and its gradient's Exp in one graph: the log-softmax itself need not be made"),
     ])
 
 

@@ -10,7 +10,8 @@ float32.
 
 The policy (:func:`float32_region`, a function of the graph alone), ``ONNXTRAIN_OPENVINO_FLOAT32=sums``, the
 default (``loss`` is the same without the row sums below): the **loss region** is kept in float32: starting from ``LogSoftmax`` and from an ``Exp`` that reads a
-log-softmax or a graph input (the cross-entropy's gradient is ``Exp`` of the saved log-probabilities), every
+log-softmax, a graph input (the cross-entropy's gradient is ``Exp`` of the saved log-probabilities) or ``x -
+ReduceMax(x)`` (a log-softmax written as a log-sum-exp, :mod:`onnxtrain.passes.log_sum_exp_loss`), every
 float32 op connected to them, in either direction, without crossing a product or a non-float op. The
 products themselves still run in bfloat16 (their inputs are cast down at the region's edge). Not seeds:
 scatters (BERT's gradient of its first-token select is one, and from it the region ran through the whole
@@ -71,14 +72,25 @@ def float32_region(nodes: Iterable[tuple[str, str, bool, list[str]]], seeds=LOSS
     if seeds is None:  # every float32 op but the products
         return inside
     types = {name: op_type for name, op_type, _, _ in nodes}
+    reads = {name: sources for name, _, _, sources in nodes}
     todo = [name for name, op_type, _, sources in nodes if name in inside and op_type in seeds
-            and (op_type != "Exp" or all(types.get(source) in _EXP_SOURCES for source in sources))]
+            and (op_type != "Exp" or all(types.get(source) in _EXP_SOURCES for source in sources)
+                 or _log_sum_exp(sources, types, reads))]
     region = set(todo)
     while todo:
         for other in neighbours[todo.pop()] - region:
             region.add(other)
             todo.append(other)
     return region
+
+
+def _log_sum_exp(sources: list[str], types: dict[str, str], reads: dict[str, list[str]]) -> bool:
+    """An ``Exp`` of ``x - ReduceMax(x)``: a log-softmax written as a log-sum-exp
+    (:mod:`onnxtrain.passes.log_sum_exp_loss`), a loss seed as ``LogSoftmax`` is."""
+    if len(sources) != 1 or types.get(sources[0]) != "Subtract":
+        return False
+    operands = reads.get(sources[0], [])
+    return len(operands) == 2 and types.get(operands[1]) == "ReduceMax" and operands[0] in reads.get(operands[1], [])
 
 
 def graph_of(model) -> list[tuple[str, str, bool, list[str]]]:
