@@ -265,3 +265,21 @@ def test_module_default_session_options_suit_alternating_sessions():
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     assert options.get_session_config_entry("session.use_env_allocators") == "1"
     assert options.enable_mem_pattern is False
+
+
+def test_the_training_session_runs_in_graph_order_and_the_callers_options_are_kept(mlp_artifacts):
+    """onnxruntime's default order runs backward work late, keeping what it reads alive (BERT-small at 4x
+    batch: 480 against 388 MB of activation memory in graph order); the training session runs in the
+    graph's (priority-based) order, and the options the caller passed keep their own order."""
+    import onnxruntime as ort
+
+    from onnxtrain.api import CheckpointState, Module
+    from onnxtrain.utils.ort_options import for_training
+
+    options = for_training()
+    assert options.execution_order == ort.ExecutionOrder.DEFAULT
+    module = Module(mlp_artifacts.training_model, CheckpointState.load_checkpoint(mlp_artifacts.checkpoint),
+                    mlp_artifacts.eval_model, session_options=options)
+    assert module._train.session.get_session_options().execution_order == ort.ExecutionOrder.PRIORITY_BASED
+    assert module._eval.session.get_session_options().execution_order == ort.ExecutionOrder.DEFAULT
+    assert options.execution_order == ort.ExecutionOrder.DEFAULT
