@@ -201,6 +201,9 @@ def artifacts_training(num_outputs: int, recompute: Recompute | None = None, sum
     if sum_rows_by_matmul:
         steps.append(Step("sum_rows_by_matmul", SumRowsByMatMulPass(),
                           "after autodiff: rewrites the gradients' leading-axis sums"))
+        steps.append(Step("transposed_gemm", TransposedGemmPass(),
+                          "after autodiff: a weight gradient's Gemm and Transpose become one Gemm, which "
+                          "onnxruntime would otherwise fuse into a node it runs last among those ready"))
     if recompute is not None:
         planner = RecomputePass(num_outputs, recompute, saved=saved, split=False)
         steps.append(Step("recompute", planner,
