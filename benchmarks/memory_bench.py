@@ -5,9 +5,11 @@
 
 Activation memory is measured with ``--allocator malloc`` (the default): onnxruntime without its arena
 (``ONNXTRAIN_CPU_ARENA=0``) and glibc with a fixed mmap threshold, for eager PyTorch as for ORTModule, so
-that what a step frees goes back to the system. With onnxruntime's arena (``--allocator arena``, the
-library's default) the arena keeps the step's high-water mark between steps, "peak minus between" is flat
-(57-60 MB at every budget) and only the process peak moves. Eager is always run, for the peak and step
+that what a step frees goes back to the system. ``--allocator malloc-release`` keeps onnxruntime's arena
+and hands it back as each ORTModule step starts and ends (``ONNXTRAIN_CPU_ARENA=release``): fewer fresh
+pages, a higher peak (docs/memory.md). With onnxruntime's arena (``--allocator arena``, the library's
+default) the arena keeps the step's high-water mark between steps, "peak minus between" is flat (57-60 MB
+at every budget) and only the process peak moves. Eager is always run, for the peak and step
 comparisons; the issue's targets are printed after each workload's table, met or not.
 
 Each (workload, budget) runs in its own process (one thread unless --threads), so that onnxruntime's arena
@@ -59,6 +61,10 @@ RSS_NOISE_MB = 1.0
 # "malloc": onnxruntime without its arena and glibc with a fixed mmap threshold, so that every buffer of
 # 64 KiB or more (torch's and onnxruntime's alike) is returned to the system when freed: RSS between steps
 # is then what stays alive (weights, gradients, optimizer state), and the peak above it is the step's.
+# "malloc-release": the same glibc setting, and ORTModule's arena handed back to the system as each step starts
+# and ends (ONNXTRAIN_CPU_ARENA=release; the on-device runtime does not hand it back): inside a step freed
+# buffers are reused, not mapped afresh (faults and system time fall), and the arena holds what a step frees
+# until the step ends (activation memory rises; docs/memory.md, "The arena handed back").
 # "arena": onnxruntime's shared arena (the default), which never shrinks; only the process peak moves.
 # "glibc": onnxruntime without its arena and glibc with its own (dynamic) thresholds, for both sides: one
 # allocator, which keeps freed memory for reuse as it sees fit. For step times: under "malloc" every buffer of
@@ -66,6 +72,8 @@ RSS_NOISE_MB = 1.0
 # fresh buffers (ORTModule's decomposed backward: docs/memory.md, "Step time at 4x batch").
 ALLOCATORS = {
     "malloc": {"ONNXTRAIN_CPU_ARENA": "0", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"},
+    "malloc-release": {"ONNXTRAIN_CPU_ARENA": "release", "MALLOC_MMAP_THRESHOLD_": "65536",
+                       "MALLOC_TRIM_THRESHOLD_": "65536"},
     "arena": {},
     "glibc": {"ONNXTRAIN_CPU_ARENA": "0"},
 }

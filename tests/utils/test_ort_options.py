@@ -1,4 +1,5 @@
-"""ONNXTRAIN_CPU_ARENA: the shared arena by default, none at all on request (benchmarks/memory_bench.py)."""
+"""ONNXTRAIN_CPU_ARENA: the shared arena by default, handed back as training steps start and end or none at all
+on request (benchmarks/memory_bench.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from onnxtrain.utils.ort_options import ARENA_ENV, for_training
+from onnxtrain.utils.ort_options import ARENA_ENV, for_training, release_arena, release_step_memory
 
 
 def _add_model() -> bytes:
@@ -35,3 +36,42 @@ def test_a_bad_arena_value_names_the_variable(monkeypatch):
     monkeypatch.setenv(ARENA_ENV, "maybe")
     with pytest.raises(ValueError, match="ONNXTRAIN_CPU_ARENA"):
         for_training()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _wide_model(n: int) -> bytes:
+    """x [1] -> Expand to [n] -> Exp -> ReduceSum: an n-float value made and freed inside one run."""
+    f = TensorProto.FLOAT
+    shape = helper.make_tensor("shape", TensorProto.INT64, [1], [n])
+    graph = helper.make_graph([helper.make_node("Expand", ["x", "shape"], ["wide"]),
+                               helper.make_node("Exp", ["wide"], ["e"]),
+                               helper.make_node("ReduceSum", ["e"], ["y"], keepdims=0)], "wide",
+                              [helper.make_tensor_value_info("x", f, [1])], [helper.make_tensor_value_info("y", f, [])],
+                              initializer=[shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    return model.SerializeToString()
+
+
+def test_release_arena_hands_the_runs_memory_back(monkeypatch):
+    monkeypatch.delenv(ARENA_ENV, raising=False)
+    n = 16 * 2**20  # 64 MiB a value
+    session = ort.InferenceSession(_wide_model(n), sess_options=for_training(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"x": np.zeros(1, np.float32)})[0], n, rtol=1e-5)
+    held = _rss_mb()
+    release_arena()
+    # the 64 MiB value's region (Exp writes over Expand's output), kept by the arena without the release
+    assert held - _rss_mb() > 48
+
+
+def test_release_step_memory_follows_the_variable(monkeypatch):
+    monkeypatch.delenv(ARENA_ENV, raising=False)
+    assert not release_step_memory()
+    monkeypatch.setenv(ARENA_ENV, "release")
+    assert release_step_memory()
+    monkeypatch.setenv(ARENA_ENV, "0")
+    assert not release_step_memory()

@@ -316,7 +316,8 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Rec
     grads = add_gradient_outputs(model, wrt, [loss_value], seeds=seeds, names=info["trainable"])
     sums = target != "web" and sums_by_matmul
     passes = pipeline.artifacts_training(num_outputs, recompute, sum_rows_by_matmul=sums,
-                                         seeds=seeds if recompute is not None else (), saved=pipeline.presaved(before))
+                                         seeds=seeds if recompute is not None else (), saved=pipeline.presaved(before),
+                                         transposed_gemm=target != "web")
     model = passes(model)
     meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen", "input_checks")}
     if recompute is not None and any(c.on for c in passes.step("recompute").plan.candidates):

@@ -16,6 +16,7 @@ from torch.autograd.function import once_differentiable
 
 from onnxtrain.ortmodule.graphs import SchemaGraphs, Training
 from onnxtrain.passes.defer_row_scatters import RowScatters
+from onnxtrain.utils.ort_options import release_arena
 
 
 def reseed(graphs: SchemaGraphs) -> None:
@@ -28,6 +29,8 @@ class ORTFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graphs: SchemaGraphs, training: Training, *tensors: torch.Tensor):
         reseed(graphs)
+        if training.release:  # what was freed since the last step (its gradients, at zero_grad) goes back first
+            release_arena()
         n_visible = graphs.num_outputs + len(graphs.mutated_buffers)
         ctx.training = training
         ctx.num_tensors = len(tensors)
@@ -107,6 +110,8 @@ def _result(ctx, training: Training, zero_rows: dict[int, int], grads: list[torc
     result: list[torch.Tensor | None] = [None] * ctx.num_tensors
     for k, row in zero_rows.items():
         grads[k][row] = 0
+    if training.release:  # the step's last onnxruntime work is done and its values dropped
+        release_arena()
     for position, grad in zip(training.wrt, grads):
         result[position] = grad
     return (None, None, *result)

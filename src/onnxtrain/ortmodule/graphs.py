@@ -40,6 +40,7 @@ from onnxtrain.runtime.openvino_float32 import sums_as_products
 from onnxtrain.runtime.session import TorchSession, session_options
 from onnxtrain.runtime.staged import StagedSession
 from onnxtrain.utils.io import save_model_atomic
+from onnxtrain.utils.ort_options import release_step_memory
 
 logger = logging.getLogger("onnxtrain.ortmodule")
 
@@ -80,6 +81,8 @@ class Training:
     sums_by_matmul: bool = True  # the backward pipeline's sum_rows_by_matmul (not for OpenVINO bf16)
     recompute: RecomputePlan | None = None  # what backward recomputes instead of stashing, and the bytes
     dims: dict[str, int] | None = None  # sizes of the symbolic dims at build time: stage cuts by liveness
+    # Whether a step starts and ends by handing onnxruntime's arena back (utils.ort_options.release_arena).
+    release: bool = False
     # The forward and the loss's gradients in one call (OpenVINO; :mod:`onnxtrain.ortmodule.fused`), or None.
     fused: fusion.FusedStep | None = None
     # Keyed by which differentiable outputs have a gradient. None: those cannot be pruned, so the full
@@ -236,7 +239,8 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     budget = recompute is not None and recompute.budget is not None and plan is not None and plan.saved_bytes > 0
     training = Training(graphs._session(forward, in_node_order=True), backward, split, wrt, diff_outputs,
                         graphs._session, row_scatters, padding_ids, zero_rows, freq_scaled, backward_stages(budget),
-                        sums_as_products(graphs.precision), plan, dims or None)
+                        sums_as_products(graphs.precision), plan, dims or None,
+                        release=release_step_memory())
     if joint is not None:
         training.fused = _fused_step(graphs, training, joint, num_forward_outputs, seeds, names)
     else:

@@ -186,14 +186,16 @@ def artifacts_eval() -> Pipeline:
 
 
 def artifacts_training(num_outputs: int, recompute: Recompute | None = None, sum_rows_by_matmul: bool = True,
-                       seeds: Sequence[ir.Value] = (), saved: Sequence[Saved] = ()) -> Pipeline:
+                       seeds: Sequence[ir.Value] = (), saved: Sequence[Saved] = (),
+                       transposed_gemm: bool = True) -> Pipeline:
     """The eval graph with the gradients added: training_model.onnx. ``num_outputs``: the eval graph's
     outputs (loss and additional outputs), first in the training graph's; ``recompute``: a plan, if any
     (onnxruntime runs the graph as one session: with a plan, the backward work that reads only forward
     values is gated on the gradient values its readers need, ``seeds`` being where backward starts, so that
     it runs where the plan put it, not early);
     ``sum_rows_by_matmul=False`` keeps the gradients' ``ReduceSum`` (web artifacts: onnxruntime-web's
-    WebGPU MatMul refuses the row-of-ones product); ``saved``: as :func:`ortmodule_training`'s."""
+    WebGPU MatMul refuses the row-of-ones product); ``saved``: as :func:`ortmodule_training`'s;
+    ``transposed_gemm=False`` keeps the weight gradients' ``Transpose`` (web artifacts: not measured there)."""
     steps = [
         Step("expand_cross_entropy", ExpandCrossEntropyPass(),
              "after autodiff: the SoftmaxCrossEntropyLoss rule builds the cheaper backward"),
@@ -201,9 +203,12 @@ def artifacts_training(num_outputs: int, recompute: Recompute | None = None, sum
     if sum_rows_by_matmul:
         steps.append(Step("sum_rows_by_matmul", SumRowsByMatMulPass(),
                           "after autodiff: rewrites the gradients' leading-axis sums"))
+    if transposed_gemm:
         steps.append(Step("transposed_gemm", TransposedGemmPass(),
-                          "after autodiff: a weight gradient's Gemm and Transpose become one Gemm, which "
-                          "onnxruntime would otherwise fuse into a node it runs last among those ready"))
+                          "after autodiff: a weight used transposed gets its gradient as one Gemm, not a Gemm and "
+                          "a Transpose (OpenVINO ran that Transpose on its reference kernel; onnxruntime fused the two "
+                          "into a node its priority-based order runs last among the ready ones, keeping what it "
+                          "reads alive)"))
     if recompute is not None:
         planner = RecomputePass(num_outputs, recompute, saved=saved, split=False)
         steps.append(Step("recompute", planner,

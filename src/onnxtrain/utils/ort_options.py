@@ -12,9 +12,13 @@ And a memory pattern (one block per run for all intermediate values, recorded on
 allocated from the second on) leaves the first run's chunks idle beside it. Measured here: GPT-2-small
 under ORTModule, steady RSS 2.09 -> 1.48 GB; on-device BERT-small, peak RSS 509 -> 393 MB; neither slower.
 
-``ONNXTRAIN_CPU_ARENA=0`` turns the arena off: onnxruntime then allocates each buffer from the C heap, as
-torch does on the CPU, and memory a step frees can go back to the system (with glibc, for buffers above its
-mmap threshold). ``benchmarks/memory_bench.py`` measures activation memory so (docs/memory.md).
+The arena grows by what each request needs (``arena_extend_strategy`` kSameAsRequested), so that whole
+regions come free. ``ONNXTRAIN_CPU_ARENA``: ``1`` (the default: one shared arena, which keeps its high-water
+mark), ``release`` (ORTModule's training step starts and ends by handing the arena's free regions back to
+the system, ``release_arena``: the RSS between steps is then what stays alive, as without an arena, while
+inside a step freed buffers are reused instead of mapped afresh; docs/memory.md), ``0`` (no arena:
+onnxruntime allocates each buffer from the C heap, as torch does on the CPU, and memory a step frees can go
+back to the system with glibc, for buffers above its mmap threshold).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import functools
 import logging
 import os
 
+import numpy as np
 import onnxruntime as ort
 
 logger = logging.getLogger("onnxtrain.runtime")
@@ -37,7 +42,7 @@ def shared_cpu_arena() -> bool:
     """
     info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
     try:
-        ort.create_and_register_allocator(info, ort.OrtArenaCfg({}))
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(ARENA_CONFIG))
         return True
     except Exception as exc:  # noqa: BLE001 - already registered by someone else is fine, all else: own arenas
         if "already" in str(exc).lower():
@@ -46,17 +51,60 @@ def shared_cpu_arena() -> bool:
         return False
 
 
+# A region per request (ArenaExtendStrategy kSameAsRequested), so that whole regions come free to be handed
+# back (a run making three 200 MB values, its output kept: the default's doubling regions gave back 184 of
+# the 590 MB held after the first run and nothing after the second; this, 393, all but the output). Tried:
+# "max_dead_bytes_per_chunk": 0 (split every larger free chunk) aborts onnxruntime 1.32 ("Could not find
+# Region") in BERT-small's first step.
+ARENA_CONFIG = {"arena_extend_strategy": 1}
 ARENA_ENV = "ONNXTRAIN_CPU_ARENA"
+ARENA_VALUES = ("1", "release", "0")
+
+
+def _arena_setting() -> str:
+    arena = os.environ.get(ARENA_ENV, "1").strip()
+    if arena not in ARENA_VALUES:
+        raise ValueError(f"{ARENA_ENV}={arena!r}: use 1 (one shared CPU arena, the default), release (the same, "
+                         "handed back to the system as each training step starts and ends) or 0 (no arena)")
+    return arena
+
+
+def release_step_memory() -> bool:
+    """Whether a training step starts and ends by handing the shared arena's free memory back to the system
+    (``ONNXTRAIN_CPU_ARENA=release``)."""
+    return _arena_setting() == "release" and shared_cpu_arena()
+
+
+@functools.cache
+def _shrinking_run() -> tuple[ort.InferenceSession, ort.RunOptions, dict]:
+    import onnx  # here: the on-device runtime imports this module, and only onnxruntime and numpy
+
+    f = onnx.TensorProto.FLOAT
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "release_arena",
+                                   [onnx.helper.make_tensor_value_info("x", f, [1])],
+                                   [onnx.helper.make_tensor_value_info("y", f, [1])])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)], ir_version=8)
+    options = use_shared_arena(ort.SessionOptions())
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    run_options = ort.RunOptions()
+    run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    return session, run_options, {"x": np.zeros(1, np.float32)}
+
+
+def release_arena() -> None:
+    """Hand the shared arena's free regions back to the system. onnxruntime shrinks an arena only as a run
+    ends (its ``memory.enable_memory_arena_shrinkage`` run option), and the last run of a step still holds
+    its inputs then: so a one-value run on the shared arena does it, after the step has dropped them (a few
+    microseconds)."""
+    session, run_options, feeds = _shrinking_run()
+    session.run(None, feeds, run_options)
 
 
 def use_shared_arena(options: ort.SessionOptions) -> ort.SessionOptions:
     """Make ``options`` take CPU memory from the shared arena, without memory patterns (no arena at all
     where ``ONNXTRAIN_CPU_ARENA=0``)."""
     options.enable_mem_pattern = False
-    arena = os.environ.get(ARENA_ENV, "1").strip()
-    if arena not in ("0", "1"):
-        raise ValueError(f"{ARENA_ENV}={arena!r}: use 1 (one shared CPU arena, the default) or 0 (no arena)")
-    if arena == "0":
+    if _arena_setting() == "0":
         options.enable_cpu_mem_arena = False
         return options
     if shared_cpu_arena():
