@@ -12,7 +12,9 @@ Variants, each from the same initial weights on the same batches (AdamW):
 - bf16: ``eager-bf16`` (PyTorch under ``torch.autocast("cpu", dtype=torch.bfloat16)``, for reference),
   ``ortmodule-bf16`` (ORTModule under the same autocast: OpenVINO bf16), ``ondevice-bf16``
   (``generate_artifacts(precision="bf16")``: OpenVINO's bf16 hint).
-The final loss is the mean of the last 10 steps' losses. The float32 spread is the largest distance of a
+The final loss is the mean of the last 10 steps' losses. With ``eager-bf16`` and another bf16 variant, each
+bf16 variant's gradients on the first batch are compared per parameter with float64's (norm-relative), as a
+multiple of eager autocast bf16's: the median over the parameters and the worst one are printed. The float32 spread is the largest distance of a
 float32 variant's final loss from eager's: where it exceeds the target, the task cannot tell a 2% bf16
 error from rounding, and the bf16 rows print "undecidable" instead of met / NOT met.
 
@@ -118,7 +120,8 @@ def torch_loss(name: str, model, batch):
     return model(input_ids=tensors[0], labels=tensors[0]).loss
 
 
-def train_torch(name: str, model, batches, steps: int, bf16: bool, ortmodule: bool, backend=None) -> list[float]:
+def train_torch(name: str, model, batches, steps: int, bf16: bool, ortmodule: bool, backend=None,
+                first: dict | None = None) -> list[float]:
     import torch
 
     from onnxtrain import ORTModule
@@ -133,6 +136,8 @@ def train_torch(name: str, model, batches, steps: int, bf16: bool, ortmodule: bo
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = torch_loss(name, runner, batches[step % len(batches)])
         loss.backward()
+        if step == 0 and first is not None:  # the first batch's gradients, before any update
+            first.update((n, p.grad.double().numpy().copy()) for n, p in model.named_parameters() if p.grad is not None)
         optimizer.step()
         losses.append(loss.item())
     if ortmodule:
@@ -161,7 +166,8 @@ def shifted_logits(model):
     return Shifted(model)
 
 
-def train_ondevice(name: str, model, batches, steps: int, precision: str, d: Path) -> list[float]:
+def train_ondevice(name: str, model, batches, steps: int, precision: str, d: Path,
+                   first: dict | None = None) -> list[float]:
     import onnx
     import torch
 
@@ -186,26 +192,55 @@ def train_ondevice(name: str, model, batches, steps: int, precision: str, d: Pat
     module = Module(paths.training_model, CheckpointState.load_checkpoint(paths.checkpoint))
     print(f"  ondevice-{precision} ran {(module.backend, module.precision)}", file=sys.stderr)
     optimizer = Optimizer(paths.optimizer_model, module)
+    firsts = {}  # the first name of each tensor (GPT-2's lm_head.weight is transformer.wte.weight)
+    canonical = {n: firsts.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
     losses = []
     for step in range(steps):
         batch = batches[step % len(batches)]
         feeds = batch if bert else (batch[0], np.ascontiguousarray(batch[0][:, 1:]).reshape(-1))
         optimizer.set_learning_rate(lr_at(name, step))
         losses.append(float(module(*feeds)))
+        if step == 0 and first is not None:  # under the torch model's names (a tied weight's first one)
+            first.update((canonical[n.removeprefix("inner.")], g.astype(np.float64).copy())
+                         for n, g in module.buffers.grad_views.items())
         optimizer.step()
         module.lazy_reset_grad()
     return losses
 
 
-def run_variant(name: str, variant: str, base, batches, steps: int, tmp: Path) -> list[float]:
-    """One variant's losses. A bf16 variant whose graph would run in float32 instead (onnxtrain's fallback
-    warning) is an error, not a bf16 result."""
+def run_variant(name: str, variant: str, base, batches, steps: int, tmp: Path,
+                first: dict | None = None) -> list[float]:
+    """One variant's losses (``first``: filled with its gradients on the first batch). A bf16 variant whose
+    graph would run in float32 instead (onnxtrain's fallback warning) is an error, not a bf16 result."""
     warnings.filterwarnings("error", message=".*runs on onnxruntime in float32", category=RuntimeWarning)
     model = copy.deepcopy(base).train()
     if variant.startswith("ondevice"):
-        return train_ondevice(name, model, batches, steps, variant.split("-")[1], tmp)
+        return train_ondevice(name, model, batches, steps, variant.split("-")[1], tmp, first)
     return train_torch(name, model, batches, steps, variant.endswith("bf16"), variant.startswith("ortmodule"),
-                       backend="openvino" if variant.endswith("-ov") else None)
+                       backend="openvino" if variant.endswith("-ov") else None, first=first)
+
+
+def float64_grads(name: str, base, batch) -> dict[str, np.ndarray]:
+    """The gradients of the first batch's loss in float64: the reference of the gradient table."""
+    import torch
+
+    model = copy.deepcopy(base).double().train()
+    tensors = [torch.from_numpy(a) for a in batch]
+    if name == "bert":
+        torch.nn.functional.cross_entropy(model(tensors[0], tensors[1]), tensors[2]).backward()
+    else:
+        model(input_ids=tensors[0], labels=tensors[0]).loss.backward()
+    return {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def gradient_ratios(got: dict, autocast: dict, reference: dict) -> dict[str, float]:
+    """Each parameter's norm-relative gradient error against float64, as a multiple of autocast bf16's."""
+    def error(grads, n):
+        return float(np.linalg.norm(grads[n] - reference[n]) / np.linalg.norm(reference[n]))
+
+    # left out: gradients autocast gets wrong by more than themselves, zero up to rounding (BERT's key biases)
+    return {n: error(got, n) / error(autocast, n) for n in reference
+            if n in got and n in autocast and np.linalg.norm(reference[n]) > 0 and 0 < error(autocast, n) < 1}
 
 
 def main(argv=None) -> int:
@@ -233,11 +268,12 @@ def main(argv=None) -> int:
         batches = make_batches(name, args.seq, args.steps)
         if name == "gpt2":
             print(f"gpt2   Markov task: loss floor {loss_floor(args.seq):.4f} (the source's conditional entropy)")
-        finals, spread = {}, 0.0
+        finals, spread, first = {}, 0.0, {}
         with tempfile.TemporaryDirectory(prefix="bf16_accuracy_") as tmp:
             for variant in variants:
                 start = time.perf_counter()
-                losses = run_variant(name, variant, base, batches, args.steps, Path(tmp))
+                first[variant] = {}
+                losses = run_variant(name, variant, base, batches, args.steps, Path(tmp), first[variant])
                 print(f"  {name} {variant} losses every 20 steps: "
                       + " ".join(f"{x:.4f}" for x in losses[::20] + losses[-1:]), file=sys.stderr)
                 finals[variant] = statistics.fmean(losses[-10:])
@@ -257,6 +293,14 @@ def main(argv=None) -> int:
                     met &= rel <= TARGET and spread <= TARGET
                 print(f"{name:6} {variant:17} {losses[0]:10.4f} {finals[variant]:10.4f} {verdict:>14} "
                       f"{(time.perf_counter() - start) / 60:8.1f}", flush=True)
+        if "eager-bf16" in first and any(v in first for v in BF16[1:]):  # the first batch's gradient error
+            reference = float64_grads(name, base, batches[0])
+            for variant in (v for v in BF16[1:] if v in first):
+                ratios = gradient_ratios(first[variant], first["eager-bf16"], reference)
+                worst = max(ratios, key=ratios.get)
+                print(f"{name:6} {variant:17} first batch's gradient error / autocast bf16's: median "
+                      f"{statistics.median(ratios.values()):.2f}x, worst {ratios[worst]:.2f}x ({worst}), "
+                      f"{len(ratios)} parameters", flush=True)
         if "eager" in finals and len([v for v in finals if v in FP32]) > 1:
             print(f"{name:6} float32 spread {spread * 100:.2f}% (required of the task: <= {FP32_REQUIRED * 100:.1f}%: "
                   f"{'ok' if spread <= FP32_REQUIRED else 'NOT ok'})", flush=True)

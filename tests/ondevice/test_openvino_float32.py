@@ -8,7 +8,7 @@ import pytest
 
 from onnxtrain.runtime import backends
 from onnxtrain.runtime.openvino_float32 import (POLICIES, POLICY_ENV, float32_region, graph_of, keep_float32,
-                                                policy, sums_as_products)
+                                                policy, float32_sums)
 
 # A classifier's loss and its gradient, as (name, op type, float32 output, inputs): the region runs from the
 # loss seeds (LogSoftmax, Exp) to the products on either side.
@@ -54,12 +54,12 @@ def test_policy_names(monkeypatch):
         policy("fp8")
 
 
-def test_row_sums_stay_reduce_sums_in_bf16_under_sums_and_all(monkeypatch):
+def test_layer_norm_row_sums_stay_reduce_sums_in_bf16_under_sums_and_all(monkeypatch):
     monkeypatch.delenv(POLICY_ENV, raising=False)
-    assert not sums_as_products("bf16") and sums_as_products("fp32") and sums_as_products("fp16")
-    assert [sums_as_products("bf16", name) for name in POLICIES] == [True, True, False, False]
+    assert float32_sums("bf16") and not float32_sums("fp32") and not float32_sums("fp16")
+    assert [float32_sums("bf16", name) for name in POLICIES] == [False, False, True, True]
     monkeypatch.setenv(POLICY_ENV, "loss")
-    assert sums_as_products("bf16")
+    assert not float32_sums("bf16")
 
 
 def _classifier_gradient():
@@ -176,3 +176,26 @@ def test_marking_keeps_names_and_metadata(tmp_path):
     value = np.arange(6, dtype=np.float32).reshape(2, 3)
     np.testing.assert_allclose(session.run(None, {"x": value})[0],
                                np.exp(value) / np.exp(value).sum(1, keepdims=True), rtol=1e-2)
+
+
+def test_a_log_sum_exp_seeds_the_loss_region():
+    """``Exp(x - ReduceMax(x))`` (passes/log_sum_exp_loss.py) seeds the region as LogSoftmax does; GELU's
+    ``Exp`` still does not."""
+    graph = [
+        ("x", "Parameter", True, []),
+        ("w", "Parameter", True, []),
+        ("logits", "MatMul", True, ["x", "w"]),
+        ("axes", "Constant", False, []),
+        ("m", "ReduceMax", True, ["logits", "axes"]),
+        ("d", "Subtract", True, ["logits", "m"]),
+        ("e", "Exp", True, ["d"]),
+        ("s", "ReduceSum", True, ["e", "axes"]),
+        ("lse", "Log", True, ["s"]),
+        ("p", "Exp", True, ["grad_in"]),
+        ("grad_in", "Add", True, ["logits", "lse"]),
+        ("dx", "MatMul", True, ["p", "w"]),
+        ("half_x2", "Multiply", True, ["dx"]),
+        ("gelu_exp", "Exp", True, ["half_x2"]),
+    ]
+    assert float32_region(graph) == {"m", "d", "e", "s", "lse", "p", "grad_in"}
+    assert float32_region([n for n in graph if n[0] != "m"] + [("m", "ReduceMean", True, ["logits", "axes"])]) == set()

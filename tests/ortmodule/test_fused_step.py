@@ -136,3 +136,12 @@ def test_not_fused_where_a_second_forward_could_differ_or_on_onnxruntime():
     assert fused.why_not("onnxruntime", False, [], [], []) == "the graphs run on onnxruntime"
     assert "buffers" in fused.why_not("openvino", False, ["bn.running_mean"], [], [])
     assert "0 differentiable outputs are scalars" in fused.why_not("openvino", False, [], [], [])
+
+
+def test_the_fused_loss_is_a_log_sum_exp_and_matches_eager():
+    """The fused graph's cross-entropy has no LogSoftmax (passes/log_sum_exp_loss.py); loss, logits and
+    gradients agree with eager's (``_compare``)."""
+    model = _compare(lambda loss, logits: loss)
+    ops = {op.get_type_name() for op in _training(model).fused.session._session._model.get_ordered_ops()}
+    assert "LogSoftmax" not in ops and "NegativeLogLikelihoodLoss" not in ops  # OpenVINO's names of the ONNX ops
+    assert "ReduceMax" in ops

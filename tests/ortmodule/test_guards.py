@@ -149,3 +149,127 @@ def test_a_counter_kept_by_a_hook_is_not_a_guard():
             model(x).backward()
             inner.calls += 1  # as a hook on the wrapper would, every step
     assert model.export_count == 1
+
+
+class Act(torch.nn.Module):
+    """A forward that calls a submodule and a function kept as an attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 4)
+        self.act = torch.nn.ReLU()
+        self.fn = torch.sin
+
+    def forward(self, x):
+        return self.fn(self.act(self.fc(x))).pow(2).sum()
+
+
+def _train_alongside(eager, model, opt_e, opt_m, x, change, steps=3):
+    """Steps of both, with ``change(net)`` applied to each before the second; losses and parameters equal."""
+    for k in range(steps):
+        if k == 1:
+            change(eager)
+            change(model.module)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = _step(model, opt_m, x)
+        torch.testing.assert_close(got, _step(eager, opt_e, x), rtol=1e-5, atol=1e-6)
+        _close(model, eager)
+
+
+@pytest.mark.parametrize("change", [
+    lambda net: setattr(net, "act", torch.nn.Tanh()),  # a parameter-free submodule replaced
+    lambda net: setattr(net, "fn", torch.cos),  # a function kept as an attribute replaced
+    lambda net: net.fc.register_forward_hook(lambda m, args, out: out * 2),  # a forward hook added
+    lambda net: net.act.register_forward_pre_hook(lambda m, args: (args[0] - 0.1,)),
+], ids=["submodule", "function", "forward_hook", "forward_pre_hook"])
+def test_what_export_traced_through_is_guarded_like_a_value(change):
+    eager, model, opt_e, opt_m = _pair(Act)
+    _train_alongside(eager, model, opt_e, opt_m, torch.randn(5, 3), change)
+    assert model.export_count == 2 and model.fallback_reason is None
+
+
+def test_a_removed_forward_hook_goes_back_to_the_first_graph():
+    model = ORTModule(Act())
+    x = torch.randn(5, 3)
+    plain = model(x)
+    handle = model.module.fc.register_forward_hook(lambda m, args, out: out * 2)
+    with pytest.warns(UserWarning, match=r"again: .*fc's hooks"):
+        hooked = model(x)
+    assert not torch.allclose(hooked, plain)
+    handle.remove()
+    torch.testing.assert_close(model(x), plain)
+    assert model.export_count == 2
+
+
+def test_a_module_appended_to_a_sequential_is_run():
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh())
+    model = ORTModule(copy.deepcopy(eager))
+    opt_e, opt_m = (torch.optim.SGD(n.parameters(), lr=0.1) for n in (eager, model))
+    head = torch.nn.Linear(4, 2)
+
+    def loss_of(net):
+        return lambda x: net(x).pow(2).sum()
+
+    x = torch.randn(5, 3)
+    for k in range(3):
+        if k == 1:
+            eager.append(copy.deepcopy(head))
+            model.module.append(copy.deepcopy(head))
+        for net, opt in ((eager, opt_e), (model, opt_m)):
+            opt.zero_grad()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                loss_of(net)(x).backward()
+            opt.step()
+        _close(model, eager)
+    assert model.export_count == 2 and model.fallback_reason is None
+
+
+@pytest.mark.parametrize("where", ["submodule", "wrapped", "pre", "after_first_step"])
+def test_a_module_backward_hook_runs_the_module_in_pytorch(where, monkeypatch):
+    # The hook changes the gradient: were it skipped inside the graph, fc.weight's gradient would differ.
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+
+    def register(net):
+        if where == "wrapped":
+            return net.register_full_backward_hook(lambda m, gin, gout: None)  # observes only
+        if where == "pre":
+            return net.act.register_full_backward_pre_hook(lambda m, gout: (gout[0] * 3,))
+        return net.act.register_full_backward_hook(lambda m, gin, gout: (gin[0] * 3,))
+
+    eager, model, opt_e, opt_m = _pair(Act)
+    if where != "after_first_step":
+        register(eager), register(model.module)
+    _train_alongside(eager, model, opt_e, opt_m, torch.randn(5, 3),
+                     register if where == "after_first_step" else (lambda net: None))
+    assert model.fallback_reason is not None and "backward hook" in model.fallback_reason
+    assert ("the wrapped module" if where == "wrapped" else "submodule 'act'") in model.fallback_reason
+
+
+TEMPERATURE = 1.0  # a module-level value the forward below reads: a constant in its graph
+
+
+class Tempered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 4)
+
+    def forward(self, x):
+        return (self.fc(x) / TEMPERATURE).tanh().pow(2).sum()
+
+
+def test_a_changed_global_the_forward_reads_gives_a_graph_of_its_own(monkeypatch):
+    eager, model, opt_e, opt_m = _pair(Tempered)
+    x = torch.randn(5, 3)
+
+    def warmer(net):
+        monkeypatch.setitem(globals(), "TEMPERATURE", 4.0)
+
+    _train_alongside(eager, model, opt_e, opt_m, x, warmer)
+    assert model.export_count == 2 and model.fallback_reason is None
+    monkeypatch.setitem(globals(), "TEMPERATURE", 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # back to the first value: the first graph, no export, no warning
+        torch.testing.assert_close(model(x), eager(x), rtol=1e-5, atol=1e-6)

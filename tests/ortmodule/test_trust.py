@@ -295,3 +295,74 @@ def test_a_forward_that_changes_its_input_in_place_falls_back_and_changes_it_onc
     torch.testing.assert_close(x, x_eager)  # doubled once, by the forward that PyTorch ran, as in eager
     torch.testing.assert_close(keep, keep_before)
     assert "changes its input tensor(s) [0]" in model.fallback_reason
+
+
+class ReverseGradient(torch.autograd.Function):
+    """Identity forward, negated gradient (domain-adversarial training's layer)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class StraightThrough(torch.autograd.Function):
+    """Rounding forward, identity backward (quantization-aware training)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class CustomBackward(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 6), torch.nn.Linear(6, 1)
+        self.kind = kind
+
+    def forward(self, x):
+        h = self.a(x) * 4
+        if self.kind == "tensor_hook":
+            if h.requires_grad:
+                h.register_hook(lambda grad: grad * 10)
+        else:
+            h = {"reverse": ReverseGradient, "straight_through": StraightThrough}[self.kind].apply(h)
+        return self.b(h.tanh()).sum()
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+@pytest.mark.parametrize("kind", ["reverse", "straight_through", "tensor_hook"])
+def test_a_backward_the_forward_ops_do_not_give_runs_in_pytorch(monkeypatch, kind, exporter):
+    # The exporters trace a custom Function's forward and drop its backward (and drop tensor hooks): the
+    # graph's gradient would be the forward ops' (zero through round, the wrong sign through the reversal).
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    if exporter == "torchscript":
+        monkeypatch.setattr(capture_export, "_export_dynamo", _broken_dynamo)
+    torch.manual_seed(0)
+    eager = CustomBackward(kind)
+    model = ORTModule(copy.deepcopy(eager))
+    x = torch.randn(4, 3)
+    with pytest.warns(UserWarning, match="falls back"):
+        model(x).backward()
+    eager(x).backward()
+    for (name, got), want in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, msg=name)
+    what = "a hook" if kind == "tensor_hook" else "autograd.Function"
+    assert what in model.fallback_reason and "it runs in PyTorch" in model.fallback_reason
+
+
+def test_a_second_order_backward_is_a_clear_error():
+    # A gradient penalty differentiates the gradient; the graph's backward is first order only.
+    model = ORTModule(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)))
+    x = torch.randn(5, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="first-order gradients only"):
+        torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    (grad,) = torch.autograd.grad(model(x).sum(), x)  # first order stays as it was
+    assert grad.shape == x.shape and model.fallback_reason is None

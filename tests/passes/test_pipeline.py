@@ -40,8 +40,8 @@ def test_every_pipeline_names_its_steps_once_and_says_why():
     assert prepare[0] == "initializers_to_inputs" and prepare[-1] == "symbolic_shapes"
     assert pipeline.artifacts_training(1).names[-1] == "strip_stop_gradients"
     assert pipeline.ortmodule_training(1).names[-1] == "recompute"
-    assert "sum_rows_by_matmul" in pipeline.ortmodule_backward().names
-    assert "sum_rows_by_matmul" not in pipeline.ortmodule_backward(sum_rows_by_matmul=False).names
+    assert not pipeline.ortmodule_backward().step("sum_rows_by_matmul").only_product_gradients
+    assert pipeline.ortmodule_backward(float32_sums=True).step("sum_rows_by_matmul").only_product_gradients
 
 
 def test_repeated_step_names_are_refused():

@@ -152,3 +152,36 @@ def test_bias_gradient_of_a_linear_layer_matches_pytorch():
     (torch.tensor(x) @ tw + tb).backward(torch.tensor(dy))
     np.testing.assert_allclose(got["w_grad"], tw.grad.numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got["b_grad"], tb.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_only_product_gradients_keeps_the_layer_norm_sums():
+    """``only_product_gradients`` (OpenVINO bf16): the linear layer's bias sum, whose rows its weight gradient's
+    product also reads, becomes a product; LayerNorm's scale and shift sums stay ReduceSum. Values as PyTorch's."""
+    torch = pytest.importorskip("torch")
+    from onnxtrain.autodiff import gradient_model
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["h"]),
+             helper.make_node("LayerNormalization", ["h", "g", "beta"], ["y"], axis=-1, epsilon=1e-5)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "s", 5]),
+                                           helper.make_tensor_value_info("w", TensorProto.FLOAT, [5, 3]),
+                                           helper.make_tensor_value_info("b", TensorProto.FLOAT, [3]),
+                                           helper.make_tensor_value_info("g", TensorProto.FLOAT, [3]),
+                                           helper.make_tensor_value_info("beta", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "s", 3])])
+    proto = gradient_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10),
+                           wrt=["w", "b", "g", "beta"], outputs=["y"])
+    sums = sum(n.op_type == "ReduceSum" for n in proto.graph.node)
+    model = ir.from_proto(onnx.shape_inference.infer_shapes(proto))
+    assert SumRowsByMatMulPass(only_product_gradients=True)(model).modified
+    out = ir.to_proto(model)
+    assert sum(n.op_type == "ReduceSum" for n in out.graph.node) == sums - 1 == 2
+    x, w, b, g, beta = (RNG.standard_normal(s).astype(np.float32) for s in ((4, 6, 5), (5, 3), (3,), (3,), (3,)))
+    dy = RNG.standard_normal((4, 6, 3)).astype(np.float32)
+    session = ort.InferenceSession(out.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in session.get_outputs()],
+                   session.run(None, {"x": x, "w": w, "b": b, "g": g, "beta": beta, "y_grad": dy})))
+    params = [torch.tensor(a, requires_grad=True) for a in (w, b, g, beta)]
+    h = torch.tensor(x) @ params[0] + params[1]
+    torch.nn.functional.layer_norm(h, (3,), params[2], params[3], 1e-5).backward(torch.tensor(dy))
+    for name, p in zip(("w", "b", "g", "beta"), params):
+        np.testing.assert_allclose(got[f"{name}_grad"], p.grad.numpy(), rtol=1e-4, atol=1e-5)

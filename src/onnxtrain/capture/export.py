@@ -26,6 +26,7 @@ from onnxtrain.capture.flatten import Constant, Spec, flatten, unflatten
 from onnxtrain.capture.moe import moe_translations
 from onnxtrain.capture.promotion import needs_type_promotion
 from onnxtrain.capture.quiet import quiet_exporter, summary
+from onnxtrain.capture.custom_backward import refusing_custom_backward
 from onnxtrain.capture.refuse import Refused, refused_reason
 from onnxtrain.capture.registry import lazy_registry, registry_key
 from onnxtrain.capture.split_to_slices import split_to_slices
@@ -107,7 +108,8 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, verbose: bool
     errors = []
     for label in _EXPORTERS:
         try:
-            model = globals()[_EXPORTERS[label]](wrapper, flat, verbose)
+            with refusing_custom_backward():
+                model = globals()[_EXPORTERS[label]](wrapper, flat, verbose)
             break
         except TraceDependsOnExample as exc:  # the reason, in one line, with the dynamo exporter's first line
             logger.info("export: %s", "\n".join(errors))

@@ -59,8 +59,16 @@ class ORTFunction(torch.autograd.Function):
         return tuple(visible)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grad_outputs: torch.Tensor):
+        if torch.is_grad_enabled():  # autograd runs backward in grad mode only for create_graph=True
+            raise RuntimeError("ORTModule's graphs give first-order gradients only: a backward with "
+                               "create_graph=True (torch.autograd.grad of a gradient: gradient penalties, "
+                               "Hessian-vector products, MAML) needs the module run in PyTorch, without ORTModule")
+        return ORTFunction._backward(ctx, *grad_outputs)
+
+    @staticmethod
+    @once_differentiable
+    def _backward(ctx, *grad_outputs: torch.Tensor):
         training: Training = ctx.training
         given = [grad_outputs[i] for i in training.differentiable_outputs]
         if ctx.stashed is None and ctx.fused_grads is None:

@@ -82,14 +82,15 @@ def why_not(backend: str, random: bool, mutated_buffers: list[str], outputs: lis
 
 
 def build(joint: onnx.ModelProto, num_forward_outputs: int, seeds: list[str], loss: int,
-          sums_by_matmul: bool = True) -> tuple[onnx.ModelProto, RowScatters]:
+          float32_sums: bool = False) -> tuple[onnx.ModelProto, RowScatters]:
     """The fused graph from the joint one (inputs ``[*inputs, *state, *seeds]``, outputs ``[*forward
     outputs, *gradients]``): the other outputs' seeds pruned as zeros, the backward passes run
-    (``sums_by_matmul``: as :func:`pipeline.ortmodule_backward`'s), embedding gradients left as ids and rows.
+    (``float32_sums``: as :func:`pipeline.ortmodule_backward`'s) and the loss's log-softmax made a log-sum-exp
+    (:mod:`onnxtrain.passes.log_sum_exp_loss`), embedding gradients left as ids and rows.
     Raises :class:`CannotPrune` where the other seeds cannot be pruned."""
     absent = [name for k, name in enumerate(seeds) if k != loss]
     proto = ir_version_for_onnxruntime(prune_zero_inputs(joint, absent)) if absent else joint
-    model = pipeline.ortmodule_backward(sums_by_matmul)(ir.from_proto(proto))
+    model = pipeline.ortmodule_fused(float32_sums)(ir.from_proto(proto))
     plan = _after(defer_row_scatters(model), num_forward_outputs)
     return ir_version_for_onnxruntime(ir.to_proto(model)), plan
 

@@ -36,7 +36,7 @@ from onnxtrain.passes.recompute import Plan as RecomputePlan
 from onnxtrain.passes.recompute import Recompute, dims_from_inputs
 from onnxtrain.passes.stage_graph import CannotStage, one_stage, stage_graph
 from onnxtrain.passes.zero_inputs import CannotPrune, prune_zero_inputs
-from onnxtrain.runtime.openvino_float32 import sums_as_products
+from onnxtrain.runtime.openvino_float32 import float32_sums
 from onnxtrain.runtime.session import TorchSession, session_options
 from onnxtrain.runtime.staged import StagedSession
 from onnxtrain.utils.io import save_model_atomic
@@ -78,7 +78,7 @@ class Training:
     zero_rows: dict[int, int] = field(default_factory=dict)
     freq_scaled: set[int] = field(default_factory=set)
     backward_stages: int = 1
-    sums_by_matmul: bool = True  # the backward pipeline's sum_rows_by_matmul (not for OpenVINO bf16)
+    float32_sums: bool = False  # the backward pipeline's (OpenVINO bf16: LayerNorm's row sums stay ReduceSum)
     recompute: RecomputePlan | None = None  # what backward recomputes instead of stashing, and the bytes
     dims: dict[str, int] | None = None  # sizes of the symbolic dims at build time: stage cuts by liveness
     # Whether a step starts and ends by handing onnxruntime's arena back (utils.ort_options.release_arena).
@@ -107,7 +107,7 @@ class Training:
                 logger.info("output gradients %s are fed as zeros: %s", absent, exc)
                 return None
             logger.info("built a backward graph without the output gradients %s", absent)
-        proto = ir.to_proto(pipeline.ortmodule_backward(self.sums_by_matmul)(ir.from_proto(proto)))
+        proto = ir.to_proto(pipeline.ortmodule_backward(self.float32_sums)(ir.from_proto(proto)))
         try:
             staged = stage_graph(proto, input_bytes, self.backward_stages, MIN_STAGE_BYTES, self.dims)
         except CannotStage as exc:
@@ -239,7 +239,7 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     budget = recompute is not None and recompute.budget is not None and plan is not None and plan.saved_bytes > 0
     training = Training(graphs._session(forward, in_node_order=True), backward, split, wrt, diff_outputs,
                         graphs._session, row_scatters, padding_ids, zero_rows, freq_scaled, backward_stages(budget),
-                        sums_as_products(graphs.precision), plan, dims or None,
+                        float32_sums(graphs.precision), plan, dims or None,
                         release=release_step_memory())
     if joint is not None:
         training.fused = _fused_step(graphs, training, joint, num_forward_outputs, seeds, names)
@@ -255,7 +255,7 @@ def _fused_step(graphs: SchemaGraphs, training: Training, joint: onnx.ModelProto
     loss = next(k for k, seed in enumerate(seeds) if seed.shape is not None and len(seed.shape) == 0)
     try:
         proto, plan = fusion.build(joint, num_forward_outputs, [s.name for s in seeds], loss,
-                                   training.sums_by_matmul)
+                                   training.float32_sums)
     except CannotPrune as exc:
         logger.info("forward and backward run as two graphs: %s", exc)
         return None

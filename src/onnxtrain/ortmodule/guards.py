@@ -10,7 +10,15 @@ this module does the same for ORTModule's export:
   them) read from a module's own ``__dict__`` by module code (a method of the module's class: the forwards,
   the helpers they call, ``nn.Module`` itself). Reads by other code (hooks: DeepSpeed's keep step counters
   on modules) are not guarded: they are not the forward's.
-- :class:`Guards` holds what was read, with its value, and says which one no longer holds.
+- :class:`Guards` holds what was read, with its value, and says which one no longer holds. It also holds
+  the tree's *layout* at export: each module's submodules and the keys of its forward hooks (and the global
+  module hooks'). Export traces the forward hooks into the graph and calls the submodules there, so a
+  submodule replaced by another (``model.act = nn.Tanh()``) or a hook added or removed later is a change
+  like a value's: a new graph.
+- Module-level values (``SCALE``) that those methods name are guarded the same way (only those named by
+  the module's own methods: a helper function elsewhere that reads a global is not seen).
+- :func:`backward_hooks` names a module backward hook in the tree. Its gradients are computed inside the
+  graph, where no such hook fires: the module runs in PyTorch instead (decided before export).
 
 ORTModule keeps one graph per set of values (``ortmodule/module.py``) and, past ``MAX_VARIANTS`` of them,
 runs the module in PyTorch with the attribute named in the reason. Values reached through other objects
@@ -21,19 +29,32 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
+import operator
 import sys
+import types
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 MAX_VARIANTS = 8  # graphs per input schema that differ only in guarded values; then PyTorch runs it
 
-_PLAIN = (bool, int, float, complex, str, type(None), torch.dtype, enum.Enum)
+# Functions kept as attributes (``self.act = F.gelu``) are compared by identity, like a swapped submodule.
+_PLAIN = (bool, int, float, complex, str, type(None), torch.dtype, enum.Enum, types.FunctionType,
+          types.BuiltinFunctionType)
+_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
+_BACKWARD_HOOKS = {"_backward_pre_hooks": "register_full_backward_pre_hook",
+                   "_backward_hooks": "register_full_backward_hook or register_backward_hook"}
 _MISSING = object()
 
 
 class GuardError(RuntimeError):
     """The forward's Python values changed more often than it is worth exporting a graph for each."""
+
+
+class BackwardHookError(RuntimeError):
+    """A module backward hook in the tree: it would never fire inside the graph's backward."""
 
 
 def _plain(value) -> bool:
@@ -51,13 +72,18 @@ class Guards:
     """(module, attribute, value read at export) for every plain value the forward read."""
 
     reads: list[tuple[torch.nn.Module, str, object]] = field(default_factory=list)
+    # (the module's globals, name, value read at export, the module's name) for plain globals module code read
+    global_reads: list[tuple[dict, str, object, str]] = field(default_factory=list)
     paths: dict[int, str] = field(default_factory=dict)  # id(module) -> its name in the tree, for messages
+    layout: list[tuple[torch.nn.Module, tuple]] = field(default_factory=list)  # (module, _layout(module))
+    global_layout: tuple = ()
+    fast: "_Check | None" = None  # reads and layout, checked in a few microseconds per call
 
     def hold(self) -> bool:
-        for module, name, value in self.reads:
-            if not _same(value, module.__dict__.get(name, _MISSING)):
-                return False
-        return True
+        if self.fast is not None:
+            return self.fast.hold()
+        return (all(_same(value, module.__dict__.get(name, _MISSING)) for module, name, value in self.reads)
+                and all(_same(value, g.get(name, _MISSING)) for g, name, value, _ in self.global_reads))
 
     def changed(self) -> list[str]:
         """``"path.name: old -> new"`` for each value that no longer holds."""
@@ -68,7 +94,101 @@ class Guards:
                 path = self.paths.get(id(module), "")
                 now = "(deleted)" if now is _MISSING else repr(now)
                 out.append(f"{path + '.' if path else ''}{name}: {value!r} -> {now}")
+        for g, name, value, where in self.global_reads:
+            now = g.get(name, _MISSING)
+            if not _same(value, now):
+                out.append(f"global {where}.{name}: {value!r} -> {'(deleted)' if now is _MISSING else repr(now)}")
+        for module, layout in self.layout:
+            now = _layout(module)
+            if now != layout:
+                path = self.paths.get(id(module), "") or "the module"
+                if now[0] != layout[0]:
+                    old, new = dict(layout[0]), dict(now[0])
+                    swaps = [f"{k}: {_kind(old.get(k))} -> {_kind(new.get(k))}" for k in {*old, *new}
+                             if old.get(k) is not new.get(k)]
+                    out.append(f"{path}'s submodules ({', '.join(sorted(swaps))})")
+                else:
+                    out.append(f"{path}'s hooks")
+        if _global_layout() != self.global_layout:
+            out.append("the global module hooks")
         return out
+
+
+def _kind(module) -> str:
+    return "(none)" if module is None else type(module).__name__
+
+
+def _layout(module: torch.nn.Module) -> tuple:
+    """What export froze of ``module`` besides its values: its submodules and its hooks' keys."""
+    own = module.__dict__
+    return (tuple(own["_modules"].items()), *(tuple(own.get(name, ())) for name in _FORWARD_HOOKS),
+            *(tuple(own.get(name, ())) for name in _BACKWARD_HOOKS))
+
+
+class _Check:
+    """:meth:`Guards.hold` without a Python loop per value: each value read is first compared by identity
+    (it is the same object unless reassigned); the layout is as at export if no hook was registered since
+    (any registration bumps ``RemovableHandle.next_id``), no hook dict that had hooks got shorter, no
+    submodule dict changed length, and each submodule is the same object."""
+
+    def __init__(self, reads: list, global_reads: list, modules: list[torch.nn.Module]):
+        self.layout = [(m, _layout(m)) for m in modules]
+        self.global_layout = _global_layout()
+        entries = [(module.__dict__, name, value) for module, name, value in reads]
+        entries += [(g, name, value) for g, name, value, _ in global_reads]
+        self.owners = [owner for owner, _, _ in entries]
+        self.names = [name for _, name, _ in entries]
+        # The object there now where it equals the value read (export may have put an equal copy back).
+        now = [owner.get(name, _MISSING) for owner, name, _ in entries]
+        self.values = [n if _same(value, n) else value for (_, _, value), n in zip(entries, now)]
+        hooks = torch.nn.modules.module
+        dicts = [m.__dict__[name] for m in modules for name in (*_FORWARD_HOOKS, *_BACKWARD_HOOKS)
+                 if name in m.__dict__]
+        dicts += [getattr(hooks, f"_global{name}") for name in (*_FORWARD_HOOKS, *_BACKWARD_HOOKS)
+                  if hasattr(hooks, f"_global{name}")]
+        self.dicts = [d for d in dicts if d] + [m.__dict__["_modules"] for m in modules]
+        self.lengths = list(map(len, self.dicts))
+        children = [(m.__dict__["_modules"], name) for m in modules for name in m.__dict__["_modules"]]
+        self.parents = [d for d, _ in children]
+        self.slots = [name for _, name in children]
+        self.expected = list(map(dict.get, self.parents, self.slots))
+        self.next_id = RemovableHandle.next_id
+
+    def hold(self) -> bool:
+        now = list(map(dict.get, self.owners, self.names, itertools.repeat(_MISSING)))
+        if not all(map(operator.is_, now, self.values)) and not all(map(_same, self.values, now)):
+            return False
+        if not (list(map(len, self.dicts)) == self.lengths
+                and all(map(operator.is_, map(dict.get, self.parents, self.slots), self.expected))):
+            return False
+        if RemovableHandle.next_id != self.next_id:  # a hook registered somewhere (an export does that too)
+            if not all(_layout(m) == layout for m, layout in self.layout) or _global_layout() != self.global_layout:
+                return False
+            self.next_id = RemovableHandle.next_id  # none of ours: quick again until the next registration
+        return True
+
+
+def _global_layout() -> tuple:
+    hooks = torch.nn.modules.module
+    return tuple(tuple(getattr(hooks, f"_global{name}", ())) for name in (*_FORWARD_HOOKS, *_BACKWARD_HOOKS))
+
+
+def backward_hooks(module: torch.nn.Module) -> str | None:
+    """A one-line reason naming a module backward hook in ``module``'s tree (or a global one), else None.
+    PyTorch fires such a hook with the gradients of that module's inputs and outputs; in the graph those are
+    never tensors of their own, so the hook would be skipped, silently: the module runs in PyTorch."""
+    for path, m in module.named_modules():
+        for name, how in _BACKWARD_HOOKS.items():
+            if m.__dict__.get(name):
+                where = f"submodule {path!r}" if path else "the wrapped module"
+                return (f"{where} ({type(m).__name__}) has a backward hook ({how}), which cannot fire inside "
+                        "ORTModule's graph; it runs in PyTorch (a hook on the ORTModule itself fires as usual)")
+    hooks = torch.nn.modules.module
+    for name, how in _BACKWARD_HOOKS.items():
+        if getattr(hooks, f"_global{name}", None):
+            return (f"a global module backward hook is registered ({how.replace('register_', 'register_module_')}"
+                    "), which cannot fire inside ORTModule's graph; it runs in PyTorch")
+    return None
 
 
 @contextlib.contextmanager
@@ -77,32 +197,39 @@ def recording(module: torch.nn.Module):
     :class:`Guards`, filled when the block ends. A module whose class cannot be swapped is left unguarded."""
     guards = Guards()
     seen: dict[tuple[int, str], tuple[torch.nn.Module, str, object]] = {}
+    codes: dict = {}  # code object -> its frame's globals if module code runs it, else None
     swapped = []
     subclasses: dict[type, type] = {}
     for path, m in module.named_modules(remove_duplicate=True):
         cls = type(m)
         sub = subclasses.get(cls)
         if sub is None:
-            sub = subclasses[cls] = _recording_class(cls, seen)
+            sub = subclasses[cls] = _recording_class(cls, seen, codes)
+        guards.paths[id(m)] = path
         try:
             m.__class__ = sub
         except TypeError:
             continue
         swapped.append((m, cls))
-        guards.paths[id(m)] = path
     try:
         yield guards
     finally:
         for m, cls in swapped:
             m.__class__ = cls
         guards.reads = list(seen.values())
+        guards.global_reads = _globals_read(codes)
+        guards.fast = _Check(guards.reads, guards.global_reads, list(module.modules()))
+        guards.layout, guards.global_layout = guards.fast.layout, guards.fast.global_layout
 
 
-def _recording_class(cls: type, seen: dict) -> type:
+def _recording_class(cls: type, seen: dict, codes: dict) -> type:
     parent_getattribute = cls.__getattribute__
 
     def __getattribute__(self, name):
-        value = parent_getattribute(self, name)
+        caller = sys._getframe(1)
+        if caller.f_code not in codes:  # the module code that runs, for the globals it reads
+            codes[caller.f_code] = caller.f_globals if _module_code(caller) else None
+        value = parent_getattribute(self, name)  # raises for a submodule: __getattr__ finds it
         if name.startswith("__") or not _plain(value):
             return value
         own = object.__getattribute__(self, "__dict__")
@@ -113,6 +240,21 @@ def _recording_class(cls: type, seen: dict) -> type:
 
     return type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})
+
+
+def _globals_read(codes: dict) -> list[tuple[dict, str, object, str]]:
+    """The plain module-level values (``SCALE = 0.5`` read as ``x * SCALE``) that the module code which ran
+    during export names: export froze them as it froze attributes. A name the code also uses otherwise
+    (an attribute called the same) is guarded too: harmless, it only re-exports if that global changes."""
+    found = {}
+    for code, g in codes.items():
+        if g is None:
+            continue
+        for name in code.co_names:
+            value = g.get(name, _MISSING)
+            if value is not _MISSING and not name.startswith("__") and _plain(value):
+                found[(id(g), name)] = (g, name, value, g.get("__name__", "?"))
+    return list(found.values())
 
 
 def _module_code(frame) -> bool:

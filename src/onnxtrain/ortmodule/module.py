@@ -148,7 +148,7 @@ class ORTModule(torch.nn.Module):
                     f"the forward reads Python values that keep changing ({changed}): each set of values is "
                     f"frozen into a graph of its own and {len(variants)} were exported; make such a value a "
                     "tensor (an argument or a buffer) to train in onnxruntime")
-            warnings.warn(f"ORTModule exports {type(self.module).__name__} again: a Python value its forward "
+            warnings.warn(f"ORTModule exports {type(self.module).__name__} again: what its forward "
                           f"reads changed ({changed}), and the graph holds it as a constant", UserWarning,
                           stacklevel=5)
         with young_objects_only():  # the export's object churn would otherwise make the collector walk it all
@@ -162,6 +162,9 @@ class ORTModule(torch.nn.Module):
         unsupported = distributed.unsupported(self.module)
         if unsupported is not None:
             raise NotImplementedError(unsupported)
+        hooked = guards.backward_hooks(self.module)
+        if hooked is not None:
+            raise guards.BackwardHookError(hooked)
         device = _device_of(self.module, tensors)
         backend, precision = _backend_for(self._backend, device)
         # The float32 graph is captured: the precision is the backend's business.

@@ -38,6 +38,7 @@ import onnx_ir.passes.common
 from onnxtrain.passes.chunk_cross_entropy import ChunkCrossEntropyPass, chunks_for
 from onnxtrain.passes.expand_cross_entropy import ExpandCrossEntropyPass
 from onnxtrain.passes.initializers_to_inputs import InitializersToInputsPass
+from onnxtrain.passes.log_sum_exp_loss import LogSumExpLossPass
 from onnxtrain.passes.optimize import OptimizePass
 from onnxtrain.passes.order_backward import OrderBackwardPass
 from onnxtrain.passes.recompute import Recompute, RecomputePass, Saved
@@ -142,18 +143,28 @@ def ortmodule_training(num_forward_outputs: int, recompute: Recompute | None = N
     ])
 
 
-def ortmodule_backward(sum_rows_by_matmul: bool = True) -> Pipeline:
+def ortmodule_backward(float32_sums: bool = False) -> Pipeline:
     """Each backward graph, after the absent output gradients are pruned and before it is cut in stages.
-    ``sum_rows_by_matmul=False`` keeps the gradients' ``ReduceSum`` (OpenVINO bf16: a product would run in
-    bfloat16, :func:`onnxtrain.runtime.openvino_float32.sums_as_products`)."""
-    steps = [Step("strip_stop_gradients", StripStopGradientsPass(),
-                  "bound for a session: onnxruntime knows no StopGradient")]
-    if sum_rows_by_matmul:
-        steps.append(Step("sum_rows_by_matmul", SumRowsByMatMulPass(),
-                          "after pruning, which cannot see through the Shape this pass reads"))
-    steps.append(Step("transposed_gemm", TransposedGemmPass(),
-                      "after pruning: a pruned gradient leaves no Transpose of a product to fold"))
-    return Pipeline("ortmodule_backward", steps)
+    ``float32_sums``: only the row sums whose rows a product also reads (linear layers' bias gradients) become
+    products; the others (LayerNorm's) stay ``ReduceSum``, which OpenVINO runs in float32 under its bf16 hint
+    (:func:`onnxtrain.runtime.openvino_float32.float32_sums`)."""
+    return Pipeline("ortmodule_backward", [
+        Step("strip_stop_gradients", StripStopGradientsPass(), "bound for a session: onnxruntime knows no StopGradient"),
+        Step("sum_rows_by_matmul", SumRowsByMatMulPass(only_product_gradients=float32_sums),
+             "after pruning, which cannot see through the Shape this pass reads"),
+        Step("transposed_gemm", TransposedGemmPass(),
+             "after pruning: a pruned gradient leaves no Transpose of a product to fold"),
+    ])
+
+
+def ortmodule_fused(float32_sums: bool = False) -> Pipeline:
+    """The fused forward + backward graph (OpenVINO; :mod:`onnxtrain.ortmodule.fused`) after its absent output
+    gradients are pruned: :func:`ortmodule_backward`'s passes, then the loss's log-softmax as a log-sum-exp."""
+    return Pipeline("ortmodule_fused", [
+        *ortmodule_backward(float32_sums).steps,
+        Step("log_sum_exp_loss", LogSumExpLossPass(),
+             "the loss and its gradient's Exp in one graph: the log-softmax itself need not be made"),
+    ])
 
 
 def ortmodule_inference() -> Pipeline:
@@ -187,7 +198,7 @@ def artifacts_eval() -> Pipeline:
 
 def artifacts_training(num_outputs: int, recompute: Recompute | None = None, sum_rows_by_matmul: bool = True,
                        seeds: Sequence[ir.Value] = (), saved: Sequence[Saved] = (),
-                       transposed_gemm: bool = True) -> Pipeline:
+                       transposed_gemm: bool = True, float32_sums: bool = False) -> Pipeline:
     """The eval graph with the gradients added: training_model.onnx. ``num_outputs``: the eval graph's
     outputs (loss and additional outputs), first in the training graph's; ``recompute``: a plan, if any
     (onnxruntime runs the graph as one session: with a plan, the backward work that reads only forward
@@ -195,13 +206,14 @@ def artifacts_training(num_outputs: int, recompute: Recompute | None = None, sum
     it runs where the plan put it, not early);
     ``sum_rows_by_matmul=False`` keeps the gradients' ``ReduceSum`` (web artifacts: onnxruntime-web's
     WebGPU MatMul refuses the row-of-ones product); ``saved``: as :func:`ortmodule_training`'s;
-    ``transposed_gemm=False`` keeps the weight gradients' ``Transpose`` (web artifacts: not measured there)."""
+    ``transposed_gemm=False`` keeps the weight gradients' ``Transpose`` (web artifacts: not measured there);
+    ``float32_sums``: as :func:`ortmodule_backward`'s."""
     steps = [
         Step("expand_cross_entropy", ExpandCrossEntropyPass(),
              "after autodiff: the SoftmaxCrossEntropyLoss rule builds the cheaper backward"),
     ]
     if sum_rows_by_matmul:
-        steps.append(Step("sum_rows_by_matmul", SumRowsByMatMulPass(),
+        steps.append(Step("sum_rows_by_matmul", SumRowsByMatMulPass(only_product_gradients=float32_sums),
                           "after autodiff: rewrites the gradients' leading-axis sums"))
     if transposed_gemm:
         steps.append(Step("transposed_gemm", TransposedGemmPass(),

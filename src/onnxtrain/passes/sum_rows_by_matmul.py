@@ -21,6 +21,12 @@ final ``Reshape`` is left out where the ``MatMul``'s ``[prod(trailing)]`` is alr
 The order of the additions changes, so results differ from ``ReduceSum``'s in the last bits (float32
 rounding). Only float32 and float64 sums over leading axes (and not over all axes) are rewritten.
 
+``only_product_gradients=True`` rewrites only the sums whose ``x`` (or its ``Flatten``) a ``MatMul`` or ``Gemm``
+also reads: a linear layer's output gradient, whose weight gradient is a product of the same rows. The others
+(LayerNorm's scale and shift gradients) stay ``ReduceSum``: for graphs OpenVINO runs under its bfloat16 hint,
+where a product rounds its rows and its result to bfloat16 and the ``ReduceSum`` runs in float32
+(:func:`onnxtrain.runtime.openvino_float32.float32_sums`; docs/precision.md).
+
 ORTModule applies it to each backward graph after the absent output gradients are pruned
 (:mod:`onnxtrain.passes.zero_inputs`): a ``Shape`` of a value that is all zeros would keep that value
 alive, so pruning could not remove it. The on-device training graph gets it after differentiation.
@@ -43,6 +49,10 @@ MIN_OPSET = 15  # Shape's start/end attributes
 
 
 class SumRowsByMatMulPass(ir.passes.InPlacePass):
+    def __init__(self, only_product_gradients: bool = False):
+        super().__init__()
+        self.only_product_gradients = only_product_gradients
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         opset = graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 0))
@@ -52,7 +62,7 @@ class SumRowsByMatMulPass(ir.passes.InPlacePass):
         modified = False
         for node in list(graph):
             k = _leading_axes(node)
-            if k is not None:
+            if k is not None and (not self.only_product_gradients or _feeds_a_product(node.inputs[0], k)):
                 _rewrite(graph, node, k, shared)
                 modified = True
         return ir.passes.PassResult(model, modified=modified)
@@ -80,6 +90,18 @@ def _leading_axes(node: ir.Node) -> int | None:
     if axes != list(range(k)) or (rank is not None and k >= rank):
         return None
     return k
+
+
+def _feeds_a_product(x: ir.Value, k: int) -> bool:
+    """Whether ``x``, or its ``Flatten(x, axis=k)``, is read by a ``MatMul`` or ``Gemm``: a linear layer's output
+    gradient, whose weight gradient is a product of the same rows."""
+    for node, _ in x.uses():
+        if node.op_type in ("MatMul", "Gemm"):
+            return True
+        if node.op_type == "Flatten" and node.attributes.get_int("axis", 1) == k:
+            if any(use.op_type in ("MatMul", "Gemm") for use, _ in node.outputs[0].uses()):
+                return True
+    return False
 
 
 def _axes(node: ir.Node) -> list[int] | None:

@@ -8,9 +8,10 @@ bfloat16 that difference cancels, and the gradients of the layers under it came 
 float64 than eager autocast's (BERT-small's ``classifier.bias``). Autocast computes the loss and its gradient in
 float32.
 
-The policy (:func:`float32_region`, a function of the graph alone), ``ONNXTRAIN_OPENVINO_FLOAT32=loss``, the
-default: the **loss region** is kept in float32: starting from ``LogSoftmax`` and from an ``Exp`` that reads a
-log-softmax or a graph input (the cross-entropy's gradient is ``Exp`` of the saved log-probabilities), every
+The policy (:func:`float32_region`, a function of the graph alone), ``ONNXTRAIN_OPENVINO_FLOAT32=sums``, the
+default (``loss`` is the same without the row sums below): the **loss region** is kept in float32: starting from ``LogSoftmax`` and from an ``Exp`` that reads a
+log-softmax, a graph input (the cross-entropy's gradient is ``Exp`` of the saved log-probabilities) or ``x -
+ReduceMax(x)`` (a log-softmax written as a log-sum-exp, :mod:`onnxtrain.passes.log_sum_exp_loss`), every
 float32 op connected to them, in either direction, without crossing a product or a non-float op. The
 products themselves still run in bfloat16 (their inputs are cast down at the region's edge). Not seeds:
 scatters (BERT's gradient of its first-token select is one, and from it the region ran through the whole
@@ -18,7 +19,10 @@ residual stream's gradient), attention's ``Softmax`` and GELU's gradient's ``Exp
 in every layer's attention and GELU, 125 of BERT-small's fused graph's 2536 ops instead of 61, and its step
 took 1.10-1.24x instead of 0.96x the plugin's own choice, with no better gradients). ``none`` is the plugin's
 own choice (every op it reaches from a product in bfloat16), ``all`` keeps every op but the products in
-float32 (BERT-small's step 1.17x). Numbers in docs/precision.md.
+float32 (BERT-small's step 1.17x). Under ``sums`` and ``all`` the **row sums** of LayerNorm's gradients stay
+``ReduceSum`` when the graphs are built (:func:`float32_sums`): as a ``MatMul`` by ones the plugin ran them in
+bfloat16, and GPT-2-small's ``ln_f.bias`` gradient was 1.23x further from float64 than autocast's (1.01x as
+``ReduceSum``). Numbers in docs/precision.md.
 
 How the ops are kept: the CPU plugin leaves a node's precision alone when the node carries OpenVINO's
 ``DisablePrecisionConversion`` runtime attribute (``ov::disable_conversion``, read in the plugin's
@@ -68,14 +72,25 @@ def float32_region(nodes: Iterable[tuple[str, str, bool, list[str]]], seeds=LOSS
     if seeds is None:  # every float32 op but the products
         return inside
     types = {name: op_type for name, op_type, _, _ in nodes}
+    reads = {name: sources for name, _, _, sources in nodes}
     todo = [name for name, op_type, _, sources in nodes if name in inside and op_type in seeds
-            and (op_type != "Exp" or all(types.get(source) in _EXP_SOURCES for source in sources))]
+            and (op_type != "Exp" or all(types.get(source) in _EXP_SOURCES for source in sources)
+                 or _log_sum_exp(sources, types, reads))]
     region = set(todo)
     while todo:
         for other in neighbours[todo.pop()] - region:
             region.add(other)
             todo.append(other)
     return region
+
+
+def _log_sum_exp(sources: list[str], types: dict[str, str], reads: dict[str, list[str]]) -> bool:
+    """An ``Exp`` of ``x - ReduceMax(x)``: a log-softmax written as a log-sum-exp
+    (:mod:`onnxtrain.passes.log_sum_exp_loss`), a loss seed as ``LogSoftmax`` is."""
+    if len(sources) != 1 or types.get(sources[0]) != "Subtract":
+        return False
+    operands = reads.get(sources[0], [])
+    return len(operands) == 2 and types.get(operands[1]) == "ReduceMax" and operands[0] in reads.get(operands[1], [])
 
 
 def graph_of(model) -> list[tuple[str, str, bool, list[str]]]:
@@ -95,12 +110,15 @@ def policy(name: str | None = None) -> str:
     return name
 
 
-def sums_as_products(precision: str, name: str | None = None) -> bool:
-    """Whether a graph run in ``precision`` may sum its gradients' rows with a ``MatMul`` by a row of ones
-    (:mod:`onnxtrain.passes.sum_rows_by_matmul`): not in "bf16" under the "sums" and "all" policies, where
-    OpenVINO would run that product in bfloat16 (its rows and its result rounded) and keeps a ``ReduceSum``
-    float32. Decided when the graphs are built, before any session is made."""
-    return precision != "bf16" or policy(name) not in _FLOAT32_SUMS
+def float32_sums(precision: str, name: str | None = None) -> bool:
+    """Whether a graph run in ``precision`` keeps the gradients' row sums that no product reads (LayerNorm's
+    weight and bias gradients) as ``ReduceSum`` rather than a ``MatMul`` by a row of ones
+    (:mod:`onnxtrain.passes.sum_rows_by_matmul`): in "bf16" under the "sums" and "all" policies. OpenVINO runs
+    such a product in bfloat16 (its rows and its result rounded), the ``ReduceSum`` in float32, as autocast sums
+    a LayerNorm's gradients. A linear layer's bias gradient stays a product: its rows are a product's output
+    gradient, which autocast sums in bfloat16 too, and as ``ReduceSum`` the step took 1.14-1.22x (BERT-small).
+    Decided when the graphs are built, before any session is made."""
+    return precision == "bf16" and policy(name) in _FLOAT32_SUMS
 
 
 def keep_float32(model, core, name: str | None = None):

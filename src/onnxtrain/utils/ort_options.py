@@ -12,11 +12,11 @@ And a memory pattern (one block per run for all intermediate values, recorded on
 allocated from the second on) leaves the first run's chunks idle beside it. Measured here: GPT-2-small
 under ORTModule, steady RSS 2.09 -> 1.48 GB; on-device BERT-small, peak RSS 509 -> 393 MB; neither slower.
 
-The arena grows by what each request needs (``arena_extend_strategy`` kSameAsRequested), so that whole
-regions come free. ``ONNXTRAIN_CPU_ARENA``: ``1`` (the default: one shared arena, which keeps its high-water
-mark), ``release`` (ORTModule's training step starts and ends by handing the arena's free regions back to
-the system, ``release_arena``: the RSS between steps is then what stays alive, as without an arena, while
-inside a step freed buffers are reused instead of mapped afresh; docs/memory.md), ``0`` (no arena:
+``ONNXTRAIN_CPU_ARENA`` (read when the shared arena is made): ``1`` (the default: one shared arena, which
+keeps its high-water mark), ``release`` (the arena grows by what each request needs, kSameAsRequested, so
+that whole regions come free, and ORTModule's training step starts and ends by handing its free regions
+back to the system, ``release_arena``: the RSS between steps is then what stays alive, as without an
+arena, while inside a step freed buffers are reused instead of mapped afresh; docs/memory.md), ``0`` (no arena:
 onnxruntime allocates each buffer from the C heap, as torch does on the CPU, and memory a step frees can go
 back to the system with glibc, for buffers above its mmap threshold).
 """
@@ -42,7 +42,8 @@ def shared_cpu_arena() -> bool:
     """
     info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
     try:
-        ort.create_and_register_allocator(info, ort.OrtArenaCfg(ARENA_CONFIG))
+        config = RELEASE_ARENA_CONFIG if _arena_setting() == "release" else {}
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(config))
         return True
     except Exception as exc:  # noqa: BLE001 - already registered by someone else is fine, all else: own arenas
         if "already" in str(exc).lower():
@@ -56,7 +57,8 @@ def shared_cpu_arena() -> bool:
 # the 590 MB held after the first run and nothing after the second; this, 393, all but the output). Tried:
 # "max_dead_bytes_per_chunk": 0 (split every larger free chunk) aborts onnxruntime 1.32 ("Could not find
 # Region") in BERT-small's first step.
-ARENA_CONFIG = {"arena_extend_strategy": 1}
+# The default arena (``ONNXTRAIN_CPU_ARENA=1``) keeps onnxruntime's settings.
+RELEASE_ARENA_CONFIG = {"arena_extend_strategy": 1}
 ARENA_ENV = "ONNXTRAIN_CPU_ARENA"
 ARENA_VALUES = ("1", "release", "0")
 

@@ -1,0 +1,54 @@
+"""A forward whose backward PyTorch would not derive from its ops: refused at capture.
+
+ORTModule's backward is the gradient of the exported forward's ops (``autodiff/``). Two things in a forward
+make PyTorch's backward something else, and the exporters keep neither:
+
+- a custom ``torch.autograd.Function``: its ``forward`` is traced, its ``backward`` dropped, so a
+  straight-through estimator (``round`` forward, identity backward) would train with zero gradients and a
+  gradient-reversal layer with the wrong sign;
+- ``Tensor.register_hook`` on an intermediate tensor: the hook would never run.
+
+While capture runs, :func:`refusing_custom_backward` makes both raise :class:`~onnxtrain.capture.refuse.Refused`
+naming what the forward called, so the module runs in PyTorch (decided before training). PyTorch's own
+Functions are let through: their backward is their forward's gradient (reentrant activation checkpointing,
+and the Functions torch.library generates for ops with a registered autograd formula, which tracing itself
+calls, e.g. for ``prims.convert_element_type``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+from onnxtrain.capture.refuse import Refused
+
+
+@contextlib.contextmanager
+def refusing_custom_backward():
+    """While the block runs, a custom autograd.Function or a tensor hook in the forward raises Refused."""
+    base = torch.autograd.Function
+    apply, register_hook = base.__dict__["apply"], torch.Tensor.register_hook
+
+    def refusing_apply(cls, *args, **kwargs):
+        if cls.__module__.partition(".")[0] != "torch":
+            raise Refused(f"the forward calls the custom autograd.Function {cls.__module__}.{cls.__qualname__}, "
+                          "whose backward the graph cannot run (it would use the gradient of the Function's "
+                          "forward ops instead); it runs in PyTorch")
+        return apply.__func__(cls, *args, **kwargs)
+
+    def refusing_hook(self, hook):
+        if sys._getframe(1).f_globals.get("__name__", "").partition(".")[0] == "torch":
+            return register_hook(self, hook)  # PyTorch's own machinery, not the forward's
+        name = getattr(hook, "__qualname__", type(hook).__name__)
+        raise Refused(f"the forward registers a hook ({name}) on a tensor with Tensor.register_hook, which "
+                      "would never run inside the graph's backward; it runs in PyTorch")
+
+    base.apply = classmethod(refusing_apply)
+    torch.Tensor.register_hook = refusing_hook
+    try:
+        yield
+    finally:
+        base.apply = apply
+        torch.Tensor.register_hook = register_hook
