@@ -22,7 +22,8 @@ def _joint_graph(flatten: bool = False) -> tuple[ir.Model, ir.Value]:
              helper.make_node("Tanh", ["z"], ["h"], name="tanh")]
     if flatten:
         nodes = [nodes[0],
-                 helper.make_node("Constant", [], ["flat"], value=helper.make_tensor("flat", TensorProto.INT64, [1], [-1])),
+                 helper.make_node("Constant", [], ["flat"],
+                                  value=helper.make_tensor("flat", TensorProto.INT64, [1], [-1])),
                  helper.make_node("Reshape", ["z", "flat"], ["zf"], name="reshape"),
                  helper.make_node("Tanh", ["zf"], ["h"], name="tanh")]
     nodes += [

@@ -61,7 +61,9 @@ class Module:
 
     ``session_options`` serve the training, eval and optimizer sessions. By default
     (:func:`onnxtrain.utils.ort_options.for_training`) they share one CPU arena, use no memory patterns
-    and let idle threads sleep, since the sessions take turns; options you pass are used as they are.
+    and let idle threads sleep, since the sessions take turns; options you pass are used as they are,
+    but for the training session's execution order and memory reuse: it runs in the graph's order
+    (priority-based) without onnxruntime's buffer reuse plan (docs/memory.md).
 
     ``backend`` ("onnxruntime", "openvino", or None for the ``ONNXTRAIN_BACKEND`` env var, else the one the
     precision needs) runs the training and eval models; ``precision="bf16"`` runs them in bfloat16 on
@@ -80,28 +82,36 @@ class Module:
         self.device = device
         self.backend, self.precision = backends.resolve(backend, precision, device)
         self.session_options = for_training() if session_options is None else session_options
-        session = create_session(train_model_uri, self.session_options, device, "training model", self.backend,
-                                 self.precision)
-        meta = read_metadata(session, TRAINING_METADATA_KEY, train_model_uri, "training model")
-        if precision is None and meta.get("precision", "fp32") not in ("fp32", "fp16"):  # as generated: bf16
-            chosen = backends.resolve(backend, meta["precision"], device)
-            if chosen != (self.backend, self.precision):
-                self.backend, self.precision = chosen
-                session = create_session(train_model_uri, self.session_options, device, "training model",
-                                         self.backend, self.precision)
-        if meta.get("recomputed") and self.backend == "onnxruntime":
-            # onnxruntime's common subexpression elimination would merge the recomputed clones back into the
-            # forward nodes they copy (85 of 89 on BERT-small), and the values would stay alive all along.
-            # And its default order runs backward work late, keeping what it reads alive (all four layers'
-            # GELU gradients at once on BERT-small at 4x batch): run the nodes in the graph's order, which
-            # the artifacts' gates keep (passes/order_backward.py): activation memory 402 -> 334 MB at budget 0.
-            previous = self.session_options.execution_order
-            self.session_options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
-            try:
+        # onnxruntime runs the training model in the graph's order (priority-based: the forward, then
+        # backward as the artifacts place it; Shape and Size first), not its default order, which runs
+        # backward work late and keeps what it reads alive: on-device BERT-small at 4x batch, activation
+        # memory 480 -> 388 MB without recompute, CPU time the same (docs/memory.md). With recompute the
+        # artifacts' gates keep the clones in their place in that order (passes/order_backward.py).
+        # And without its memory reuse plan, which hands a freed buffer to the next value of the same size
+        # however much later that value is made, holding the buffer in between: a value freed in forward
+        # is held to a gradient of its size in backward. Off, freed memory goes back to the allocator (the
+        # arena, or the C heap) at once: 388 -> 376 MB without recompute, 274 -> 224 MB at budget 0.5,
+        # 242 -> 168 MB at 0 (docs/memory.md).
+        previous = self.session_options.execution_order, self.session_options.enable_mem_reuse
+        self.session_options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+        self.session_options.enable_mem_reuse = False
+        try:
+            session = create_session(train_model_uri, self.session_options, device, "training model", self.backend,
+                                     self.precision)
+            meta = read_metadata(session, TRAINING_METADATA_KEY, train_model_uri, "training model")
+            if precision is None and meta.get("precision", "fp32") not in ("fp32", "fp16"):  # as generated: bf16
+                chosen = backends.resolve(backend, meta["precision"], device)
+                if chosen != (self.backend, self.precision):
+                    self.backend, self.precision = chosen
+                    session = create_session(train_model_uri, self.session_options, device, "training model",
+                                             self.backend, self.precision)
+            if meta.get("recomputed") and self.backend == "onnxruntime":
+                # onnxruntime's common subexpression elimination would merge the recomputed clones back into
+                # the forward nodes they copy (85 of 89 on BERT-small), and the values would stay alive all along
                 session = create_session(train_model_uri, self.session_options, device, "training model",
                                          self.backend, self.precision, disabled_optimizers=NO_CSE)
-            finally:
-                self.session_options.execution_order = previous
+        finally:
+            self.session_options.execution_order, self.session_options.enable_mem_reuse = previous
         if meta.get("kind") != "training":
             raise ValueError(f"{train_model_uri} is the {meta.get('kind')} model; pass training_model.onnx as "
                              "train_model_uri (and the eval model as eval_model_uri)")

@@ -218,7 +218,9 @@ def artifacts_training(num_outputs: int, recompute: Recompute | None = None, sum
     if transposed_gemm:
         steps.append(Step("transposed_gemm", TransposedGemmPass(),
                           "after autodiff: a weight used transposed gets its gradient as one Gemm, not a Gemm and "
-                          "a Transpose (OpenVINO ran that Transpose on its reference kernel)"))
+                          "a Transpose (OpenVINO ran that Transpose on its reference kernel; onnxruntime fused the two "
+                          "into a node its priority-based order runs last among the ready ones, keeping what it "
+                          "reads alive)"))
     if recompute is not None:
         planner = RecomputePass(num_outputs, recompute, saved=saved, split=False)
         steps.append(Step("recompute", planner,
