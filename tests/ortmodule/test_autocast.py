@@ -122,6 +122,18 @@ def test_backend_openvino_float32_matches_pytorch(monkeypatch):
             np.testing.assert_allclose(p.grad.numpy(), ref[name], rtol=1e-4, atol=1e-6)
 
 
+def _sessions_under(float32_ops: str, monkeypatch) -> list:
+    """The OpenVINO float32 policy set ("default": none set); returns the list the sessions made go to."""
+    if float32_ops == "default":
+        monkeypatch.delenv("ONNXTRAIN_OPENVINO_FLOAT32", raising=False)
+    else:
+        monkeypatch.setenv("ONNXTRAIN_OPENVINO_FLOAT32", float32_ops)
+    made = []
+    create = backends.create_session
+    monkeypatch.setattr(backends, "create_session", lambda *a, **k: made.append(create(*a, **k)) or made[-1])
+    return made
+
+
 def _tiny_transformer(kind: str):
     """BERT-small's and GPT-2-small's architectures (benchmarks/ortmodule_bench.py) at test size."""
     from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
@@ -150,13 +162,7 @@ def test_transformer_bf16_graphs_all_convert_in_openvino(kind, float32_ops, monk
     from onnxtrain.runtime.openvino import OpenVINOSession
 
     monkeypatch.setattr(backends, "_warned", set())  # the fallback warns once per process
-    if float32_ops == "default":  # the loss region kept float32 (runtime/openvino_float32.py)
-        monkeypatch.delenv("ONNXTRAIN_OPENVINO_FLOAT32", raising=False)
-    else:
-        monkeypatch.setenv("ONNXTRAIN_OPENVINO_FLOAT32", float32_ops)
-    made = []
-    create = backends.create_session
-    monkeypatch.setattr(backends, "create_session", lambda *a, **k: made.append(create(*a, **k)) or made[-1])
+    made = _sessions_under(float32_ops, monkeypatch)  # "default": runtime/openvino_float32.py's policy
     model, loss_fn = _tiny_transformer(kind)
     reference = copy.deepcopy(model)
     wrapped = ORTModule(model)
@@ -297,13 +303,7 @@ def test_bf16_each_parameter_error_no_worse_than_autocast(float32_ops, monkeypat
     OpenVINO ran them in bfloat16 and the LayerNorm weight's error was 1.62-1.92x autocast's; with the row sums
     kept ReduceSum (float32) 0.93-1.07x. Autocast keeps this LayerNorm (its input is float32) in float32; the
     linear layer's bias sum stays a product (autocast rounds that gradient to bfloat16 too)."""
-    if float32_ops == "default":
-        monkeypatch.delenv("ONNXTRAIN_OPENVINO_FLOAT32", raising=False)
-    else:
-        monkeypatch.setenv("ONNXTRAIN_OPENVINO_FLOAT32", float32_ops)
-    made = []
-    create = backends.create_session
-    monkeypatch.setattr(backends, "create_session", lambda *a, **k: made.append(create(*a, **k)) or made[-1])
+    made = _sessions_under(float32_ops, monkeypatch)
     torch.manual_seed(0)
     net = _Residual()
     model = ORTModule(copy.deepcopy(net))
