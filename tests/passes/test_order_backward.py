@@ -73,6 +73,18 @@ def _run(model: ir.Model, x: np.ndarray, w: np.ndarray, order) -> list[np.ndarra
     return session.run(None, {"x": x, "W": w})
 
 
+def _same_outputs_and_numpy_gradient(model: ir.Model, x: np.ndarray, w: np.ndarray, before) -> None:
+    """``model``'s outputs equal ``before`` in both of onnxruntime's orders, and the gradient is numpy's:
+    d/dW sum(tanh(xW)^2 / 2) = x^T (h (1 - h^2))."""
+    h = np.tanh(x @ w)
+    expected = x.T @ (h * (1 - h * h))
+    for order in (ort.ExecutionOrder.DEFAULT, ort.ExecutionOrder.PRIORITY_BASED):
+        after = _run(model, x, w, order)
+        np.testing.assert_array_equal(after[0], before[0])
+        np.testing.assert_array_equal(after[1], before[1])
+        np.testing.assert_allclose(after[1], expected, rtol=1e-5, atol=1e-6)
+
+
 def test_backward_work_waits_for_the_seed_and_outputs_do_not_change():
     model, seed = _joint_graph()
     free = _waiting(model, seed)
@@ -86,14 +98,7 @@ def test_backward_work_waits_for_the_seed_and_outputs_do_not_change():
 
     assert result.modified and step.gated >= 1
     assert _waiting(result.model, seed) == []
-    # the gradient, against numpy: d/dW sum(tanh(xW)^2 / 2) = x^T (h (1 - h^2))
-    h = np.tanh(x @ w)
-    expected = x.T @ (h * (1 - h * h))
-    for order in (ort.ExecutionOrder.DEFAULT, ort.ExecutionOrder.PRIORITY_BASED):
-        after = _run(result.model, x, w, order)
-        np.testing.assert_array_equal(after[0], before[0])
-        np.testing.assert_array_equal(after[1], before[1])
-        np.testing.assert_allclose(after[1], expected, rtol=1e-5, atol=1e-6)
+    _same_outputs_and_numpy_gradient(result.model, x, w, before)
 
 
 def test_the_pass_does_nothing_when_told_not_to_run():
@@ -123,10 +128,4 @@ def test_a_shape_read_by_backward_is_taken_in_forward_not_gated():
     assert shape.inputs[0].name == "z", "the Shape must read the forward value itself, not a gate"
     assert nodes.index(shape) == nodes.index(shape.inputs[0].producer()) + 1
     assert _waiting(result.model, seed) == []
-    h = np.tanh(x @ w)
-    expected = x.T @ (h * (1 - h * h))
-    for order in (ort.ExecutionOrder.DEFAULT, ort.ExecutionOrder.PRIORITY_BASED):
-        after = _run(result.model, x, w, order)
-        np.testing.assert_array_equal(after[0], before[0])
-        np.testing.assert_array_equal(after[1], before[1])
-        np.testing.assert_allclose(after[1], expected, rtol=1e-5, atol=1e-6)
+    _same_outputs_and_numpy_gradient(result.model, x, w, before)
