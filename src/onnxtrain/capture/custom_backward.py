@@ -36,7 +36,8 @@ def refusing_custom_backward():
             raise Refused(f"the forward calls the custom autograd.Function {cls.__module__}.{cls.__qualname__}, "
                           "whose backward the graph cannot run (it would use the gradient of the Function's "
                           "forward ops instead); it runs in PyTorch")
-        return apply.__func__(cls, *args, **kwargs)
+        # ``apply`` is a classmethod (torch 2.13) or a C classmethod descriptor (2.15): bind it either way.
+        return apply.__get__(None, cls)(*args, **kwargs)
 
     def refusing_hook(self, hook):
         if sys._getframe(1).f_globals.get("__name__", "").partition(".")[0] == "torch":
