@@ -63,6 +63,16 @@ def test_deepspeed_zero_matches_eager(tmp_path, stage):
 
 
 @pytest.mark.distributed
+def test_a_fallback_inside_zero3_trains_as_eager(tmp_path):
+    # The fallback runs the module in PyTorch with DeepSpeed's gradient-reducing hook deferred to the end of
+    # the backward, as the graph does: fired early, it left every gradient unreduced (DeepSpeed then failed
+    # in zero_grad with "unknown parameter type").
+    eager, ort = _train(tmp_path, "zero3", "eager"), _train(tmp_path, "zero3", "ort_fallback")
+    assert ort["module"] == "ORTModule" and "LinearFunctionForZeroStage3" in (ort["fallback"] or ""), ort["fallback"]
+    _assert_parity(ort, eager)
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_ort_trainer_with_deepspeed_matches_trainer(tmp_path, stage):
     runs = {}

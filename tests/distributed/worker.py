@@ -5,7 +5,8 @@
 
 WRAPPER is zero1, zero2, zero3 (``deepspeed.initialize``), fsdp2 (``fully_shard`` on the whole model) or
 fsdp2_layers (``fully_shard`` on each encoder layer, then on the whole model); KIND is "eager" or "ort" (the
-same model in ORTModule, inside the wrapper). Each rank trains on its own batches; rank 0 writes the losses
+same model in ORTModule, inside the wrapper; "ort_fallback": the same, with DeepSpeed's ZeRO-3 Linear Function
+undeclared, so that the ORTModule falls back to PyTorch inside ZeRO-3). Each rank trains on its own batches; rank 0 writes the losses
 (of rank 0's batches), the full parameters after the last step, and ORTModule's fallback reason, if any.
 Under ZeRO-3, the ORTModule is also called once past DeepSpeed's hooks, on its partitions: the error it
 raises (instead of feeding them to onnxruntime) is written as "unhooked".
@@ -48,8 +49,13 @@ def deepspeed_config(stage: int) -> dict:
 
 def model_for(kind: str) -> torch.nn.Module:
     model = bert_classifier()
-    if kind == "ort":
+    if kind.startswith("ort"):
         from onnxtrain import ORTModule
+
+        if kind == "ort_fallback":
+            from onnxtrain.capture import custom_backward
+
+            custom_backward.FORWARD_GRADIENT.discard("deepspeed.runtime.zero.linear.LinearFunctionForZeroStage3")
 
         model = ORTModule(model)
     return model
@@ -62,7 +68,7 @@ def run_deepspeed(stage: int, kind: str):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(stage))
     unhooked = None
-    if stage == 3 and kind == "ort":
+    if stage == 3 and kind.startswith("ort"):
         try:
             type(model).forward(model, **next(batches(dist.get_rank())))  # not model(...): no DeepSpeed hooks
         except RuntimeError as error:

@@ -12,7 +12,9 @@ import torch
 
 from onnxtrain import DebugOptions, ORTModule
 from onnxtrain.autodiff.rules import REGISTRY
+from onnxtrain.capture import custom_backward
 from onnxtrain.capture import export as capture_export
+from onnxtrain.ortmodule import declare_forward_gradient
 
 
 class ReturnsNothingTensor(torch.nn.Module):
@@ -366,3 +368,48 @@ def test_a_second_order_backward_is_a_clear_error():
         torch.autograd.grad(model(x).sum(), x, create_graph=True)
     (grad,) = torch.autograd.grad(model(x).sum(), x)  # first order stays as it was
     assert grad.shape == x.shape and model.fallback_reason is None
+
+
+class SavingTanh(torch.autograd.Function):
+    """tanh that saves its output and differentiates it by hand: its backward is its forward's gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+
+class UsesSavingTanh(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 6), torch.nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.b(SavingTanh.apply(self.a(x))).sum()
+
+
+def test_a_function_declared_to_have_its_forwards_gradient_runs_in_the_graph(monkeypatch):
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    monkeypatch.setattr(custom_backward, "FORWARD_GRADIENT", set())
+    torch.manual_seed(0)
+    eager, x = UsesSavingTanh(), torch.randn(4, 3)
+    undeclared = ORTModule(copy.deepcopy(eager))
+    with pytest.warns(UserWarning, match="falls back"):
+        undeclared(x)
+    assert "SavingTanh" in undeclared.fallback_reason and "declare_forward_gradient" in undeclared.fallback_reason
+
+    assert declare_forward_gradient(SavingTanh) is SavingTanh
+    model = ORTModule(copy.deepcopy(eager))
+    model(x).backward()
+    eager(x).backward()
+    assert model.fallback_reason is None and model.export_count == 1
+    for (name, got), want in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, msg=name)
+    with pytest.raises(TypeError, match="autograd.Function subclass"):
+        declare_forward_gradient(torch.nn.Linear)

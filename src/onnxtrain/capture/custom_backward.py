@@ -12,7 +12,10 @@ While capture runs, :func:`refusing_custom_backward` makes both raise :class:`~o
 naming what the forward called, so the module runs in PyTorch (decided before training). PyTorch's own
 Functions are let through: their backward is their forward's gradient (reentrant activation checkpointing,
 and the Functions torch.library generates for ops with a registered autograd formula, which tracing itself
-calls, e.g. for ``prims.convert_element_type``).
+calls, e.g. for ``prims.convert_element_type``). So are the Functions named in :data:`FORWARD_GRADIENT`:
+others' Functions whose backward we read and found to be their forward's gradient, kept for memory or
+speed (DeepSpeed ZeRO-3 swaps ``F.linear`` for one), and those a user declares with
+:func:`declare_forward_gradient`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,32 @@ import torch
 
 from onnxtrain.capture.refuse import Refused
 
+#: Qualified names of third-party Functions whose ``backward`` is the gradient of their ``forward``, each
+#: read against its source: what tracing keeps (the forward's ops) is then what PyTorch's backward computes.
+FORWARD_GRADIENT: set[str] = {
+    # DeepSpeed 0.19: matmul(+bias) forward; backward grad_output @ W, grad_output^T @ x, sum(grad_output),
+    # the weight gathered again if ZeRO-3 partitioned it after the forward (tests/distributed).
+    "deepspeed.runtime.zero.linear.LinearFunctionForZeroStage3",
+}
+
+
+def declare_forward_gradient(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """Declare that FUNCTION's ``backward`` computes the gradient of its ``forward``'s ops.
+
+    ORTModule then traces through it (its forward's ops go into the graph, whose backward is their
+    gradient) instead of running the module in PyTorch. Declare only a Function whose backward is exactly
+    that (one that saves memory or fuses kernels); a straight-through estimator or a gradient-reversal layer
+    would then train with the wrong gradients. Usable as a class decorator; returns FUNCTION.
+    """
+    if not (isinstance(function, type) and issubclass(function, torch.autograd.Function)):
+        raise TypeError(f"declare_forward_gradient takes a torch.autograd.Function subclass, not {function!r}")
+    FORWARD_GRADIENT.add(_name(function))
+    return function
+
+
+def _name(function: type) -> str:
+    return f"{function.__module__}.{function.__qualname__}"
+
 
 @contextlib.contextmanager
 def refusing_custom_backward():
@@ -32,10 +61,11 @@ def refusing_custom_backward():
     apply, register_hook = base.__dict__["apply"], torch.Tensor.register_hook
 
     def refusing_apply(cls, *args, **kwargs):
-        if cls.__module__.partition(".")[0] != "torch":
-            raise Refused(f"the forward calls the custom autograd.Function {cls.__module__}.{cls.__qualname__}, "
-                          "whose backward the graph cannot run (it would use the gradient of the Function's "
-                          "forward ops instead); it runs in PyTorch")
+        if cls.__module__.partition(".")[0] != "torch" and _name(cls) not in FORWARD_GRADIENT:
+            raise Refused(f"the forward calls the custom autograd.Function {_name(cls)}, whose backward the "
+                          "graph cannot run (it would use the gradient of the Function's forward ops instead); "
+                          "it runs in PyTorch (onnxtrain.ortmodule.declare_forward_gradient declares a Function "
+                          "whose backward is its forward's gradient)")
         # ``apply`` is a classmethod (torch 2.13) or a C classmethod descriptor (2.15): bind it either way.
         return apply.__get__(None, cls)(*args, **kwargs)
 

@@ -87,7 +87,7 @@ class ORTModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         if self._fallback_reason is not None:
-            return self.module(*args, **kwargs)
+            return self._run_in_pytorch(args, kwargs)
         partial = distributed.partitioned(self._state_lookup())
         if partial:
             raise RuntimeError(f"ORTModule: {len(partial)} DeepSpeed ZeRO-3 parameters (e.g. {partial[0]!r}) hold "
@@ -101,13 +101,13 @@ class ORTModule(torch.nn.Module):
             training = self._training_for(graphs, tensors, state)
         except Exception as exc:  # noqa: BLE001 - any export/build failure falls back (or re-raises)
             self._fall_back(exc)
-            return self.module(*args, **kwargs)
+            return self._run_in_pytorch(args, kwargs)
         if self._debug.verify and id(training or graphs) not in self._verified:
             self._verified.add(id(training or graphs))
             problem = self._verify(graphs, training, args, kwargs, tensors, state, spec)
             if problem is not None:
                 self._fall_back(VerificationError(f"verify: {problem}, on the first batch of a new graph"))
-                return self.module(*args, **kwargs)
+                return self._run_in_pytorch(args, kwargs)
         if training is None:
             outputs = self._run_inference(graphs, tensors, state)
         else:
@@ -117,7 +117,7 @@ class ORTModule(torch.nn.Module):
                 if training.forward.runs:  # it has run before: a failure now is raised, not hidden
                     raise
                 self._fall_back(exc)
-                return self.module(*args, **kwargs)
+                return self._run_in_pytorch(args, kwargs)
             training.forward.runs += 1
             outputs = distributed.after_backward(self, self._deferred_hooks, list(outputs))
         user = outputs[: graphs.num_outputs]
@@ -249,6 +249,14 @@ class ORTModule(torch.nn.Module):
         with _no_side_effects(self.module):
             return first_difference(run_ort, run_eager, leaf_paths(graphs.captured.output_spec, "output"),
                                     wrt, wrt_names)
+
+    def _run_in_pytorch(self, args, kwargs):
+        """The wrapped module's forward (the fallback), with the ZeRO-3 backward hooks deferred as on the graph."""
+        result = self.module(*args, **kwargs)
+        if not self._deferred_hooks:
+            return result
+        outputs, spec = flatten(result, "output")
+        return unflatten(distributed.after_backward(self, self._deferred_hooks, outputs), spec)
 
     def _run_inference(self, graphs: SchemaGraphs, tensors, state) -> list[torch.Tensor]:
         session = graphs.inference_session()
