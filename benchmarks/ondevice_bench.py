@@ -110,13 +110,20 @@ def worker_ondevice(args) -> dict:
     optimizer = Optimizer(d / "optimizer_model.onnx", module)
     optimizer.set_learning_rate(1e-4)
     inputs, labels = make_batch(args.model)
+    calls = {"training call": [], "optimizer call": []}  # each step's two parts (warm-up included)
 
     def step():
+        start = time.perf_counter()
         module(*inputs, labels)
+        middle = time.perf_counter()
         optimizer.step()
+        calls["training call"].append(middle - start)
+        calls["optimizer call"].append(time.perf_counter() - middle)
         module.lazy_reset_grad()
 
-    return {"times": time_steps(step, args.steps, args.warmup, args.min_seconds), "peak_rss_mb": peak_rss_mb(),
+    times = time_steps(step, args.steps, args.warmup, args.min_seconds)
+    parts = {name: statistics.median(values[args.warmup:]) for name, values in calls.items()}
+    return {"times": times, "peak_rss_mb": peak_rss_mb(), "parts": parts,
             "loaded_torch": "torch" in sys.modules, "ran": [module.backend, module.precision]}
 
 
@@ -223,6 +230,9 @@ def main() -> int:
             medians[kind] = statistics.median(times)
             p10, p90 = times[len(times) // 10], times[(9 * len(times)) // 10]
             print(f"{name:<6} {kind:<13} {medians[kind]:>10.2f} {p10:>8.2f} {p90:>8.2f} {r['peak_rss_mb']:>12.0f}")
+        for kind, r in rows.items():  # the on-device step's two session calls, medians (glue: the rest)
+            if "parts" in r:
+                print(f"{name:<6} {kind:<13} " + ", ".join(f"{part} {t * 1e3:.2f} ms" for part, t in r["parts"].items()))
         if rows["ondevice"].get("loaded_torch"):
             print("warning: the on-device worker imported torch")
         print(f"{name:<6} ratio     torch/ondevice = {medians['torch'] / medians['ondevice']:.2f}x")

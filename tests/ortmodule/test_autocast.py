@@ -74,7 +74,7 @@ def test_autocast_bf16_runs_openvino_bf16_near_autocast():
     loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     loss.backward()
     assert _schemas(model) == [("openvino", "bf16")]
-    assert logits.dtype == torch.float32  # eager autocast gives bfloat16 here
+    assert logits.dtype == torch.bfloat16  # as eager autocast gives it
     ref_loss, ref = _grads(reference, x, y, double=True)
     auto_loss, auto = _grads(reference, x, y, autocast_dtype=torch.bfloat16)
     assert abs(float(loss) - ref_loss) <= max(2 * abs(auto_loss - ref_loss), 1e-3 * ref_loss)
@@ -134,8 +134,9 @@ def _sessions_under(float32_ops: str, monkeypatch) -> list:
     return made
 
 
-def _tiny_transformer(kind: str):
-    """BERT-small's and GPT-2-small's architectures (benchmarks/ortmodule_bench.py) at test size."""
+def _tiny_transformer(kind: str, full: bool = False):
+    """BERT-small's and GPT-2-small's architectures (benchmarks/ortmodule_bench.py) at test size: the model and a
+    call returning its loss (``full``: its whole output)."""
     from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -145,11 +146,15 @@ def _tiny_transformer(kind: str):
                             vocab_size=100, max_position_embeddings=64, hidden_dropout_prob=0.0,
                             attention_probs_dropout_prob=0.0)
         mask, labels = torch.ones(2, 16, dtype=torch.int64), torch.tensor([0, 1])
-        return BertForSequenceClassification(config), lambda m: m(input_ids=ids, attention_mask=mask,
-                                                                   labels=labels).loss
+        return BertForSequenceClassification(config), _output_or_loss(
+            lambda m: m(input_ids=ids, attention_mask=mask, labels=labels), full)
     config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=64, use_cache=False,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config), lambda m: m(input_ids=ids, labels=ids).loss
+    return GPT2LMHeadModel(config), _output_or_loss(lambda m: m(input_ids=ids, labels=ids), full)
+
+
+def _output_or_loss(call, full: bool):
+    return call if full else lambda m: call(m).loss
 
 
 @openvino_needed

@@ -50,6 +50,9 @@ class ORTFunction(torch.autograd.Function):
             ctx.stashed = [outputs[i] for i in training.split.stashed_outputs]
             ctx.save_for_backward(*(tensors[j] for j in training.split.reused_inputs))
         visible = outputs[:n_visible]
+        if fused is None:  # eager autocast's dtypes for the outputs stashed too (the others are cast in the graph)
+            for k, dtype in training.torch_casts.items():
+                visible[k] = visible[k].to(dtype)
         differentiable = set(training.differentiable_outputs)
         ctx.mark_non_differentiable(*(t for i, t in enumerate(visible) if i not in differentiable))
         # Outputs that do not reach the loss get None, not zeros, so that backward can skip them.
@@ -107,7 +110,7 @@ def _split_backward(ctx, training: Training, given: list, stashed: list[torch.Te
         session = training.backward_for(present, [0] * len(given) + releasable + [0] * len(saved))
         given = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                  for g, (shape, dtype, device) in zip(given, ctx.output_meta)]
-    feeds = [*(_seed(g) for g in given if g is not None), *stashed, *saved]
+    feeds = [*(_seed(g, dtype) for g, dtype in zip(given, training.seed_dtypes) if g is not None), *stashed, *saved]
     stashed.clear()
     return _add_rows(session.run(feeds), training.row_scatters, ctx.scatter_like, training.padding_ids,
                      training.freq_scaled)
@@ -155,5 +158,7 @@ def _add_rows(outputs: list[torch.Tensor], plan: RowScatters, like: list[tuple],
     return grads  # type: ignore[return-value]
 
 
-def _seed(grad: torch.Tensor) -> torch.Tensor:
-    return grad if grad.is_contiguous() else grad.contiguous()
+def _seed(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An output gradient as the backward graph takes it: contiguous, in the graph's dtype (float32 where eager
+    autocast's bfloat16 output brought a bfloat16 gradient)."""
+    return grad.to(dtype, memory_format=torch.contiguous_format)

@@ -30,6 +30,7 @@ from onnxtrain.ortmodule import fused as fusion
 from onnxtrain.ortmodule.guards import Guards
 from onnxtrain.ortmodule.options import FUSED_STEP_ENV, MIN_STAGE_BYTES, backward_stages, fused_step
 from onnxtrain.passes import Split, pipeline, split_forward_backward
+from onnxtrain.passes.cast_outputs import cast_outputs
 from onnxtrain.passes.defer_row_scatters import RowScatters, defer_row_scatters
 from onnxtrain.passes.precision import apply_precision
 from onnxtrain.passes.recompute import Plan as RecomputePlan
@@ -85,6 +86,12 @@ class Training:
     release: bool = False
     # The forward and the loss's gradients in one call (OpenVINO; :mod:`onnxtrain.ortmodule.fused`), or None.
     fused: fusion.FusedStep | None = None
+    # The dtype each differentiable output's gradient enters the backward graph in (the graph's float32 where
+    # the output was cast: SchemaGraphs.output_casts).
+    seed_dtypes: list[torch.dtype] = field(default_factory=list)
+    # Casts to make in torch after the forward graph (outputs that are stashed for backward too, which the
+    # forward graph returns in float32 once); the others are cast inside the forward graph.
+    torch_casts: dict[int, torch.dtype] = field(default_factory=dict)
     # Keyed by which differentiable outputs have a gradient. None: those cannot be pruned, so the full
     # graph runs with zeros fed for them.
     _backward: dict[tuple[bool, ...], StagedSession | None] = field(default_factory=dict)
@@ -135,6 +142,10 @@ class SchemaGraphs:
     # Which engine runs the sessions, in which precision (onnxtrain.runtime.backends.resolve).
     backend: str = "onnxruntime"
     precision: str = "fp32"
+    # User output position -> the dtype eager autocast returns it in, where the graph's is float32 (bfloat16
+    # logits): a Cast at the graph's output (passes.cast_outputs); the output gradient comes back in that dtype
+    # and enters the backward graph as float32 (Training.seed_dtypes).
+    output_casts: dict[int, ir.DataType] = field(default_factory=dict)
     inference: TorchSession | None = None
     training: dict[tuple[bool, ...], Training] = field(default_factory=dict)
     guards: Guards = field(default_factory=Guards)  # the Python values the graph holds as constants
@@ -161,7 +172,8 @@ class SchemaGraphs:
 
     def inference_session(self) -> TorchSession:
         if self.inference is None:
-            self.inference = self._session(ir.to_proto(pipeline.ortmodule_inference()(ir.from_proto(self.base))))
+            model = pipeline.ortmodule_inference()(ir.from_proto(self.base))
+            self.inference = self._session(ir.to_proto(cast_outputs(model, self.output_casts)))
         return self.inference
 
     def _session(self, proto: onnx.ModelProto, in_node_order: bool = False) -> TorchSession:
@@ -225,7 +237,9 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     joint = None if no_fusion else ir_version_for_onnxruntime(ir.to_proto(model))  # before the split takes it apart
     split = split_forward_backward(model, num_forward_outputs, len(seeds))
     row_scatters = defer_row_scatters(split.backward)  # embedding gradients: torch adds the rows
-    forward = ir_version_for_onnxruntime(ir.to_proto(split.forward))
+    stashed = set(split.stashed_outputs)
+    in_graph = {k: dtype for k, dtype in graphs.output_casts.items() if k not in stashed}
+    forward = ir_version_for_onnxruntime(ir.to_proto(cast_outputs(split.forward, in_graph)))
     backward = ir_version_for_onnxruntime(ir.to_proto(split.backward))
     if save is not None:
         save(forward, "forward")
@@ -240,7 +254,9 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     training = Training(graphs._session(forward, in_node_order=True), backward, split, wrt, diff_outputs,
                         graphs._session, row_scatters, padding_ids, zero_rows, freq_scaled, backward_stages(budget),
                         float32_sums(graphs.precision), plan, dims or None,
-                        release=release_step_memory())
+                        release=release_step_memory(), seed_dtypes=[_TORCH_DTYPES[seed.dtype] for seed in seeds],
+                        torch_casts={k: _TORCH_DTYPES[dtype] for k, dtype in graphs.output_casts.items()
+                                     if k not in in_graph})
     if joint is not None:
         training.fused = _fused_step(graphs, training, joint, num_forward_outputs, seeds, names)
     else:
@@ -265,6 +281,8 @@ def _fused_step(graphs: SchemaGraphs, training: Training, joint: onnx.ModelProto
     if rules != (training.padding_ids, training.zero_rows, training.freq_scaled):
         logger.info("forward and backward run as two graphs: the fused graph's embedding gradients differ")
         return None
+    if graphs.output_casts:  # the forward's outputs keep their places in the fused graph (fusion.build)
+        proto = ir_version_for_onnxruntime(ir.to_proto(cast_outputs(ir.from_proto(proto), graphs.output_casts)))
     if graphs.saver is not None:
         graphs.saver(proto, "fused")
     seed = torch.ones((), dtype=_TORCH_DTYPES[seeds[loss].dtype])

@@ -12,7 +12,8 @@ dynamic and never cause a new export.
 
 Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` the float32 graphs run on OpenVINO with its bfloat16
 precision hint (onnxtrain.runtime.backends; without the ``openvino`` package or a CPU with bfloat16, a
-warning once and float32). Outputs are float32 where eager autocast's would be bfloat16. Under
+warning once and float32). Each output has the dtype eager autocast gives it (bfloat16 logits, a float32 loss),
+asked of PyTorch on fake tensors at export (onnxtrain.capture.autocast_dtypes) and cast inside the graph. Under
 ``torch.autocast("cpu", dtype=torch.float16)`` the graphs' matmul-class products run in float16
 (onnxtrain.passes.precision) on onnxruntime; with ``torch.amp.GradScaler`` the scaled loss's gradient flows
 in and inf/NaN gradients reach the scaler. CUDA autocast is not supported yet: a warning once, and the graphs
@@ -26,9 +27,11 @@ import logging
 import warnings
 from collections import OrderedDict
 
+import onnx_ir as ir
 import torch
 
 from onnxtrain.capture import capture, flatten, leaf_paths, unflatten
+from onnxtrain.capture.autocast_dtypes import AutocastDtypeError, autocast_output_dtypes
 from onnxtrain.capture.quiet import summary
 from onnxtrain.ortmodule import distributed, guards
 from onnxtrain.ortmodule.function import ORTFunction, reseed
@@ -173,6 +176,7 @@ class ORTModule(torch.nn.Module):
             captured = capture(self.module, args, kwargs,
                                verbose=self._debug.log_level <= 0)
         self._export_count += 1
+        casts = _output_casts(self.module, args, kwargs, captured) if torch.is_autocast_enabled(device.type) else {}
         state_names = [n for n in self._state_names() if n in captured.model.graph.initializers]
         saver = self._saver(tag)
         if saver is not None:
@@ -182,6 +186,7 @@ class ORTModule(torch.nn.Module):
         graphs.saver = saver
         graphs.guards = read
         graphs.backend, graphs.precision = backend, precision
+        graphs.output_casts = casts
         if saver is not None:
             saver(graphs.base, "inference")
         return graphs
@@ -375,6 +380,33 @@ def _embedding_rules(module: torch.nn.Module) -> tuple[dict[str, int], set[str],
 def _autocast_state() -> tuple:
     """(enabled, dtype) of torch.autocast on CPU and on CUDA: part of the schema."""
     return tuple((torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda"))
+
+
+def _output_casts(module: torch.nn.Module, args, kwargs, captured) -> dict[int, ir.DataType]:
+    """{user output position: dtype} for the float32 graph outputs that eager autocast returns in bfloat16 or
+    float16 (:mod:`onnxtrain.capture.autocast_dtypes`, asked under the caller's autocast state). Where eager's
+    dtypes cannot be known, none: the outputs stay float32, with a warning once per module class."""
+    try:
+        with _no_side_effects(module):
+            dtypes = autocast_output_dtypes(module, args, kwargs)
+    except AutocastDtypeError as exc:
+        reason = f"its forward does not run on fake tensors ({exc})"
+    else:
+        if len(dtypes) == captured.num_outputs:
+            outputs = captured.model.graph.outputs
+            return {k: _LOW[dtype] for k, dtype in enumerate(dtypes)
+                    if dtype in _LOW and outputs[k].dtype == ir.DataType.FLOAT}
+        reason = f"it returned {len(dtypes)} tensors there and {captured.num_outputs} when exported"
+    key = ("dtypes", type(module).__name__)
+    if key not in _warned_autocast:
+        _warned_autocast.add(key)
+        warnings.warn(f"ORTModule returns {type(module).__name__}'s outputs in float32 under torch.autocast, where "
+                      f"eager may return bfloat16 or float16: the dtypes eager gives are unknown, {reason}",
+                      RuntimeWarning, stacklevel=5)
+    return {}
+
+
+_LOW = {torch.bfloat16: ir.DataType.BFLOAT16, torch.float16: ir.DataType.FLOAT16}
 
 
 def _backend_for(backend: str | None, device: torch.device) -> tuple[str, str]:

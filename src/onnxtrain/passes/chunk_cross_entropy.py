@@ -5,12 +5,14 @@ logits at 4x its benchmark batch are 2048 x 50257 floats (412 MB), and so are th
 for backward) and their gradient. No recompute plan can drop them. This pass, run **before autodiff**,
 replaces the loss with:
 
-- one ``Loop`` over blocks of ``block_rows`` rows of ``h`` (padded to a whole number of blocks with
-  ignored rows), which per block makes the block's logits ``z = h_k @ Wt``, their log-softmax and the
-  target's log-probability (the loss), and the block's gradient ``(softmax(z) - onehot(target)) * coef`` (``coef``:
-  1 / the mean's divisor on rows not ignored, 0 on ignored and padding rows), multiplied at once into the
-  gradient of ``h_k`` (a scan output) and added into the gradient of ``Wt`` (a carried value). The loop's
-  inputs go through ``StopGradient``: autodiff does not see it;
+- one ``Loop`` over blocks of ``block_rows`` rows of ``h`` (the last block shorter), which per block
+  makes the block's logits ``z = h_k @ Wt``, their softmax and the target's log-probability (the loss),
+  and multiplies the softmax part of the block's gradient ``(softmax(z) - onehot(target)) * coef``
+  (``coef``: 1 / the mean's divisor on rows not ignored, 0 on ignored rows) at once into the gradients of
+  ``h_k`` and ``Wt`` (carried values); the one-hot part is added from ``[rows, hidden]`` values outside
+  the blocks. Two vocabulary-sized values a block (``z`` and its softmax), each a fresh buffer every
+  block where onnxruntime runs without its arena. The loop's inputs go through ``StopGradient``:
+  autodiff does not see it;
 - a surrogate that gives the loss those gradients:
   ``loss = L + (S - StopGradient(S))`` with ``S = sum(h * G_h) + sum(Wt * G_Wt)`` and ``G_h``, ``G_Wt``
   (the loop's gradients) behind ``StopGradient``. ``S - S`` is exactly 0, so the value is ``L``; the
@@ -214,12 +216,13 @@ def _rewrite(graph: ir.Graph, loss_node: ir.Node, matmul: ir.Node, h, w, transpo
     else:
         divisor = grad_divisor = b.const(np.array(1, dtype))
     coef = b.op("Div", weight, grad_divisor)
-    zeros = ir.tensor(np.zeros(1, dtype))
+    add_one_hot, grad_h0 = _one_hot_terms(b, h2, w, transposed, safe, coef)
     body = _body(b.nodes[-1].name, h2, w, transposed, read[0] if read else None)
-    loss_sum, grad_w, grad_h, *_ = b.op(
+    loss_sum, softmax_grad_w, grad_h, *_ = b.op(
         "Loop", b.op("Squeeze", blocks, b.ints([0])), None, b.const(np.array(0, dtype)),
-        b.op("ConstantOfShape", b.ints(list(w.shape)), value=zeros), b.op("ConstantOfShape", b.op("Shape", h2), value=zeros),
+        b.op("ConstantOfShape", b.ints(list(w.shape)), value=ir.tensor(np.zeros(1, dtype))), grad_h0,
         step, safe, weight, coef, body=ir.AttrGraph("body", body), outputs=7)
+    grad_w = add_one_hot(softmax_grad_w)
     _typed(grad_h, h.dtype, h2.shape)
     _typed(grad_w, h.dtype, w.shape)
     value = _typed(b.op("Div", loss_sum, divisor), h.dtype, [])
@@ -256,6 +259,32 @@ def _remove_unused_producers(graph: ir.Graph, value: ir.Value) -> None:
         stack.extend(inputs)
 
 
+def _one_hot_terms(b: _Nodes, h2, w, transposed: bool, target, coef) -> tuple[ir.Value, ir.Value]:
+    """The gradients' one-hot part, ``-coef * onehot(target)`` multiplied into the weight's and ``h2``'s
+    gradients, from ``[rows, hidden]`` values (no vocabulary-sized block is made for it): ``h2``'s start,
+    ``-coef *`` the target's row (column when not ``transposed``) of the weight, is the loop's initial
+    carried value; the weight's, ``-coef * h2`` row ``i`` added at the target's row (column), a function that
+    adds it to the loop's result, in place of that result where onnxruntime can (zeros of the weight's
+    shape made for it would be one more weight-sized buffer, which onnxruntime's reuse plan then holds
+    through the loop for the loop's output)."""
+    minus_coef = b.op("Unsqueeze", b.op("Neg", coef), b.ints([1]))  # [rows, 1]
+    updates = b.op("Mul", b.stop(h2), minus_coef)  # [rows, hidden]; autodiff sees the loop's inputs stopped
+    if transposed:  # w: [vocab, hidden]
+        rows = b.stop(_typed(b.op("Gather", w, target, axis=0), h2.dtype, h2.shape))
+        index = b.op("Unsqueeze", target, b.ints([1]))
+
+        def add_to(grad_w):
+            return b.op("ScatterND", grad_w, index, updates, reduction="add")
+    else:  # w: [hidden, vocab]
+        rows = b.stop(_typed(b.op("Transpose", b.op("Gather", w, target, axis=1)), h2.dtype, h2.shape))
+        columns = b.op("Transpose", updates)
+        index = b.op("Expand", b.op("Unsqueeze", target, b.ints([0])), b.op("Shape", columns))
+
+        def add_to(grad_w):
+            return b.op("ScatterElements", grad_w, index, columns, axis=1, reduction="add")
+    return add_to, b.op("Mul", rows, minus_coef)
+
+
 def _body(name: str, h2, w, transposed: bool, scores) -> ir.Graph:
     """One block of rows ``[i * step, (i + 1) * step)`` (the last one shorter): carried (loss sum, grad of
     the weight, grad of ``h2``, and unchanged: ``step``, the safe target, each row's weight and coef) -> the
@@ -263,7 +292,14 @@ def _body(name: str, h2, w, transposed: bool, scores) -> ir.Graph:
     (the full logits, where they are made anyway; else the block's are made here) are read from the outer
     graph, so that nothing large is copied into the loop: the forward's other nodes read them too (the
     surrogate, an output), so every pass keeps their producers in the forward. Autodiff does not see the
-    loop."""
+    loop.
+
+    Two vocabulary-sized values a block, the logits ``z`` and ``p = softmax(z)`` (each one a fresh buffer
+    of the block's size: without onnxruntime's arena, pages mapped afresh, so their count is the pass's
+    cost): the log-sum-exp comes from ``p``'s row maximum, ``max(z) - log(max(p))`` (``max(p)`` is at least
+    1 / vocab: no underflow), the loss reads ``z[target] - lse``, and ``coef`` scales the ``[rows, hidden]``
+    sides of the products, not ``p``; the one-hot part is in the carried gradients' start
+    (:func:`_one_hot_terms`)."""
     dtype = h2.dtype
     i = ir.Value(name="i", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
     cond = ir.Value(name="cond", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
@@ -276,7 +312,7 @@ def _body(name: str, h2, w, transposed: bool, scores) -> ir.Graph:
     b = _Nodes(f"{name}/block")
     start = b.op("Mul", b.op("Unsqueeze", i, b.ints([0])), step)
     end = b.op("Add", start, step)
-    axis0 = b.ints([0])
+    axis0, axis1 = b.ints([0]), b.ints([1])
 
     def rows(x):
         return b.op("Slice", x, start, end, axis0)
@@ -287,21 +323,21 @@ def _body(name: str, h2, w, transposed: bool, scores) -> ir.Graph:
         z = rows(scores if len(scores.shape) == 2 else b.op("Reshape", scores, b.ints([-1, vocab])))
     else:
         z = b.op("Gemm", hk, w, transB=int(transposed))  # [rows, vocab]
-    # LogSoftmax, not ReduceLogSumExp: onnxruntime's ReduceLogSumExp took 10x as long on these blocks.
-    logp = b.op("LogSoftmax", z, axis=1)
-    tk1 = b.op("Unsqueeze", tk, b.ints([1]))
-    picked = b.op("Squeeze", b.op("GatherElements", logp, tk1, axis=1), b.ints([1]))
-    loss_out = b.op("Sub", loss_in, b.op("ReduceSum", b.op("Mul", picked, wk), keepdims=0))  # minus log p(target)
-    ck1 = b.op("Unsqueeze", ck, b.ints([1]))
-    dz = b.op("ScatterElements", b.op("Mul", b.op("Exp", logp), ck1), tk1, b.op("Neg", ck1), axis=1, reduction="add")
-    grad_hk = b.op("Gemm", dz, w, transB=int(not transposed))  # [rows, hidden]
-    grad_w_out = (b.op("Gemm", dz, hk, grad_w_in, transA=1) if transposed
-                  else b.op("Gemm", hk, dz, grad_w_in, transA=1))
+    p = b.op("Softmax", z, axis=1)
+    lse = b.op("Sub", b.op("ReduceMax", z, axis1), b.op("Log", b.op("ReduceMax", p, axis1)))  # [rows, 1]
+    tk1 = b.op("Unsqueeze", tk, axis1)
+    picked = b.op("Squeeze", b.op("Sub", b.op("GatherElements", z, tk1, axis=1), lse), axis1)  # log p(target)
+    loss_out = b.op("Sub", loss_in, b.op("ReduceSum", b.op("Mul", picked, wk), keepdims=0))
+    ck1 = b.op("Unsqueeze", ck, axis1)
+    grad_hk = b.op("Mul", b.op("Gemm", p, w, transB=int(not transposed)), ck1)  # [rows, hidden]
+    hck = b.op("Mul", hk, ck1)
+    grad_w_out = (b.op("Gemm", p, hck, grad_w_in, transA=1) if transposed
+                  else b.op("Gemm", hck, p, grad_w_in, transA=1))
     first = b.op("Squeeze", start, axis0)
     index = b.op("Unsqueeze", b.op("Range", first, b.op("Add", first, b.op("Squeeze", b.op("Shape", hk, start=0, end=1),
                                                                           axis0)), b.const(np.array(1, np.int64))),
-                 b.ints([1]))
-    grad_h_out = b.op("ScatterND", grad_h_in, index, grad_hk)
+                 axis1)
+    grad_h_out = b.op("ScatterND", grad_h_in, index, grad_hk, reduction="add")
     cond_out = b.op("Identity", cond)
     for v in (loss_out, grad_w_out, grad_h_out):
         _typed(v, dtype, None)

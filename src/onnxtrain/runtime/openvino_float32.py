@@ -52,6 +52,9 @@ DEFAULT_POLICY = "sums"
 # The policies under which the gradients' row sums stay ReduceSum (float32) rather than becoming products
 _FLOAT32_SUMS = frozenset({"sums", "all"})
 _NOT_OPS = frozenset({"Parameter", "Constant", "Result"})
+# Ops that move values without arithmetic (no rounding of their own)
+_MOVES = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Transpose", "Concat", "Split", "VariadicSplit", "Slice",
+                    "StridedSlice", "Gather", "Broadcast"})
 # what the IR reader turns into ov::DisablePrecisionConversion: no conversion to float16 or bfloat16
 _ATTRIBUTE = {"name": "DisablePrecisionConversion", "version": "0", "value": "dynamic:f16,bf16"}
 
@@ -82,6 +85,37 @@ def float32_region(nodes: Iterable[tuple[str, str, bool, list[str]]], seeds=LOSS
             region.add(other)
             todo.append(other)
     return region
+
+
+def output_tails(nodes: Iterable[tuple[str, str, bool, list[str]]]) -> set[str]:
+    """What makes a low-type graph output (a ``Convert`` to bfloat16 read by a ``Result``: ORTModule casts the
+    outputs eager autocast returns in bfloat16, :mod:`onnxtrain.passes.cast_outputs`) round once, as eager's
+    ``addmm`` rounds its product and bias once: the float32 ops walked back from the ``Convert`` up to the
+    products, and those products themselves where the walk met arithmetic (a bias ``Add``), not only moves
+    (``Reshape``). Left to itself the plugin rounds the product to bfloat16, adds the bias and rounds again:
+    a linear layer's bias gradient was then 1.2-1.6x further from float64 than autocast's (the loss's
+    gradient is made of those logits; tests/ortmodule/test_autocast.py), 0.7-1.1x with the product float32.
+    A product that is the output itself (GPT-2's ``lm_head``, no bias) stays bfloat16: it rounds once."""
+    nodes = list(nodes)
+    inside = {name for name, op_type, f32, _ in nodes if f32 and op_type not in PRODUCTS and op_type not in _NOT_OPS}
+    reads = {name: sources for name, _, _, sources in nodes}
+    types = {name: op_type for name, op_type, _, _ in nodes}
+    outputs = {source for _, op_type, _, sources in nodes if op_type == "Result" for source in sources}
+    tails: set[str] = set()
+    for convert in (name for name in outputs if types.get(name) == "Convert"):
+        todo = [source for source in reads[convert] if source in inside]
+        walked, products = set(todo), set()
+        while todo:
+            for source in reads[todo.pop()]:
+                if source in inside and source not in walked:
+                    walked.add(source)
+                    todo.append(source)
+                elif types.get(source) in PRODUCTS:
+                    products.add(source)
+        tails |= walked
+        if any(types[name] not in _MOVES for name in walked):
+            tails |= products
+    return tails
 
 
 def _log_sum_exp(sources: list[str], types: dict[str, str], reads: dict[str, list[str]]) -> bool:
@@ -127,7 +161,8 @@ def keep_float32(model, core, name: str | None = None):
     chosen = policy(name)
     if chosen == "none":
         return model  # "sums" marks the loss region as "loss" does: its row sums are ReduceSums already
-    names = float32_region(graph_of(model), seeds=None if chosen == "all" else LOSS_SEEDS)
+    nodes = graph_of(model)
+    names = float32_region(nodes, seeds=None if chosen == "all" else LOSS_SEEDS) | output_tails(nodes)
     if not names:
         return model
     import openvino as ov

@@ -95,6 +95,8 @@ class TorchSession:
             self._session = backends.create_session(model.SerializeToString(), backend, precision, options)
         self.input_names = [i.name for i in self._session.get_inputs()]
         self.output_names = [o.name for o in self._session.get_outputs()]
+        # OpenVINO hands bfloat16 outputs to numpy as float16 arrays of the same bits: viewed back here.
+        self._bfloat16 = [k for k, o in enumerate(self._session.get_outputs()) if o.type == "tensor(bfloat16)"]
         self.output_shapes = declared_shapes(model)
         self.runs = 0  # runs that returned outputs its callers accepted (ORTModule counts them)
         self._ort_device = "cuda" if self.device.type == "cuda" else "cpu"
@@ -122,7 +124,7 @@ class TorchSession:
             raise ValueError(f"the graph takes {len(self.input_names)} inputs, got {len(inputs)}")
         if self._arrays is not None and all(t.dtype in _NUMPY_DTYPES for t in inputs):
             arrays = [self._input_value(k, t, _to_numpy) for k, t in enumerate(inputs)]
-            return [torch.from_numpy(a) for a in self._arrays(arrays)]
+            return self._bfloat16_views([torch.from_numpy(a) for a in self._arrays(arrays)])
         binding = self._session.io_binding()
         keep = []  # the OrtValues must outlive the run
         for position, (name, tensor) in enumerate(zip(self.input_names, inputs)):
@@ -132,7 +134,13 @@ class TorchSession:
         for name in self.output_names:
             binding.bind_output(name, self._ort_device, self._device_id)
         self._session.run_with_iobinding(binding)
-        return [to_torch(v) for v in binding.get_outputs()]
+        return self._bfloat16_views([to_torch(v) for v in binding.get_outputs()])
+
+    def _bfloat16_views(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        for k in self._bfloat16:
+            if outputs[k].dtype != torch.bfloat16:
+                outputs[k] = outputs[k].view(torch.bfloat16)
+        return outputs
 
     def check_output_shapes(self, outputs: Sequence[torch.Tensor]) -> None:
         """Raise :class:`OutputShapeError` where an output's rank or a fixed size is not the declared one."""
