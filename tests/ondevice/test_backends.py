@@ -208,6 +208,60 @@ def test_openvino_requests_are_reused_with_fresh_results():
         session.run_with_iobinding(unbound)
 
 
+def test_openvino_binding_sets_on_its_request_only_what_was_bound_since():
+    """A binding with an output in the caller's memory keeps its request, which holds its tensors between
+    runs: a run sets only what was bound since the last one (the batch, not every parameter again), and
+    reads a bound input updated in place anew and a rebound one, of another shape too."""
+    from onnx import TensorProto, helper
+
+    from onnxtrain.runtime.openvino import OpenVINOSession
+
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"]),
+                               helper.make_node("Constant", [], ["axes"], value_ints=[0]),
+                               helper.make_node("ReduceSum", ["y", "axes"], ["s"], keepdims=0)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3]),
+                               helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 2])],
+                              [helper.make_tensor_value_info("s", TensorProto.FLOAT, [2]),
+                               helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    session = OpenVINOSession(model.SerializeToString())
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((3, 2)).astype(np.float32)
+    xs = [rng.standard_normal((n, 3)).astype(np.float32) for n in (4, 4, 5)]
+    s = np.zeros(2, np.float32)
+    binding = session.io_binding()
+    binding.bind_cpu_input("w", w)
+    binding.bind_ortvalue_output("s", s)
+    set_names = []
+
+    class Counting:  # the binding's own request, counting what a run sets on it
+        def __init__(self, request):
+            self.request = request
+
+        def set_tensor(self, name, tensor):
+            set_names.append(name)
+            self.request.set_tensor(name, tensor)
+
+        def __getattr__(self, name):
+            return getattr(self.request, name)
+
+    for step, x in enumerate(xs):
+        binding.bind_cpu_input("x", x)  # the batch, every call
+        binding.bind_output("y")
+        if step == 1:
+            w *= -2.0  # a parameter updated in place, not rebound
+        session.run_with_iobinding(binding)
+        if step == 0:  # every tensor went to the new request
+            binding._request = Counting(binding._request)
+        else:
+            assert set_names == ["x"]
+        set_names.clear()
+        y = binding.get_outputs()[1].numpy()
+        np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(s, (x @ w).sum(axis=0), rtol=1e-5, atol=1e-5)
+
+
 def test_torch_session_on_openvino_reads_and_returns_tensors():
     """TorchSession's numpy path on OpenVINO: a parameter updated in place is read anew, a non-contiguous
     input is read as its values, outputs are torch tensors of their own (equal to torch's result)."""

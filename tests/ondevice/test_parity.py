@@ -137,48 +137,6 @@ def test_adamw_with_global_norm_clipping_matches_torch(mlp, tmp_path, chunk_size
         assert group["chunks"] > 1 and group["chunks"] * group["chunk"] > group["size"]  # padded tail
 
 
-@pytest.mark.parametrize("clip", [None, 0.5])
-def test_optimizer_runs_ranges_of_rows_at_once_as_one_call(mlp, tmp_path, monkeypatch, clip):
-    """With three intra-op threads a step is three calls over ranges of the rows, whose parameters are
-    bit-identical to one call's and train as torch's AdamW; gradient clipping reads every row: one call."""
-    from onnxtrain.api import CheckpointState, Module, Optimizer
-    from onnxtrain.utils.ort_options import for_training
-
-    model, path = mlp
-    monkeypatch.setattr(chunks, "CHUNK", 100)  # 1765 parameters: 18 rows
-    paths = generate(path, tmp_path, requires_grad=_params(model), loss="crossentropy",
-                     optimizer=artifacts.AdamW(max_grad_norm=clip))
-    rows = onnx.load(paths.optimizer_model).graph.input[2].type.tensor_type.shape.dim[0]
-    assert (rows.dim_param, rows.dim_value) == (("", 18) if clip else ("chunks", 0))
-    batches = classification_batches(np.random.default_rng(5), STEPS, 8, (16,), 5)
-    runs = {}
-    for threads in (3, 1):
-        options = for_training()
-        options.intra_op_num_threads = threads
-        state = CheckpointState.load_checkpoint(paths.checkpoint)
-        module = Module(paths.training_model, state, session_options=options)
-        optimizer = Optimizer(paths.optimizer_model, module)
-        optimizer.set_learning_rate(1e-2)
-        assert len(optimizer._bindings[0]) == (3 if threads == 3 and not clip else 1)
-        losses = ondevice_losses(module, optimizer, batches)
-        runs[threads] = losses, {n: state.parameters[n].data for n in _params(model)}
-    assert runs[3][0] == runs[1][0]
-    for name, value in runs[1][1].items():
-        assert runs[3][1][name].tobytes() == value.tobytes(), name
-    ref = clone(model)
-    topt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    theirs = []
-    for x, y in batches:
-        topt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(ref(torch.from_numpy(x)), torch.from_numpy(y))
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-        topt.step()
-        theirs.append(loss.item())
-    assert_losses_close(runs[3][0], theirs, RTOL)
-
-
 def test_optimizer_chunked_differently_from_the_runtime_is_refused(mlp, tmp_path, monkeypatch):
     model, path = mlp
     monkeypatch.setattr(chunks, "CHUNK", 100)

@@ -4,6 +4,7 @@ graph (or, past a limit, PyTorch with the reason), never a stale one (ortmodule/
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -273,3 +274,125 @@ def test_a_changed_global_the_forward_reads_gives_a_graph_of_its_own(monkeypatch
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # back to the first value: the first graph, no export, no warning
         torch.testing.assert_close(model(x), eager(x), rtol=1e-5, atol=1e-6)
+
+
+@dataclasses.dataclass
+class Options:
+    squash: str = "tanh"
+    gain: float = 1.0
+
+
+class Configured(torch.nn.Module):
+    """A forward reading its options through a held object, as Hugging Face models read ``self.config``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 4)
+        self.options = Options()
+
+    def forward(self, x):
+        h = self.fc(x) * self.options.gain
+        return (h.tanh() if self.options.squash == "tanh" else h.sigmoid()).pow(2).sum()
+
+
+def test_a_value_read_through_a_held_object_is_guarded():
+    eager, model, opt_e, opt_m = _pair(Configured)
+    x = torch.randn(5, 3)
+    for squash, gain in (("tanh", 1.0), ("sigmoid", 1.0), ("sigmoid", 3.0)):
+        eager.options.squash, eager.options.gain = squash, gain
+        model.module.options.squash, model.module.options.gain = squash, gain
+        torch.testing.assert_close(_step(model, opt_m, x), _step(eager, opt_e, x), rtol=1e-5, atol=1e-6)
+        _close(model, eager)
+    assert model.export_count == 3
+    with pytest.warns(UserWarning, match=r"options.gain: 3.0 -> 0.5"):
+        model.module.options.gain = 0.5
+        model(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenOptions:
+    squash: str = "tanh"
+    gain: float = 1.0
+
+
+class FrozenConfigured(Configured):
+    def __init__(self):
+        super().__init__()
+        self.options = FrozenOptions()
+
+
+def test_a_held_object_replaced_by_another_is_guarded():
+    # A frozen dataclass cannot be changed, only replaced: the held object is guarded by identity too.
+    eager, model, opt_e, opt_m = _pair(FrozenConfigured)
+    x = torch.randn(5, 3)
+    for gain in (1.0, 3.0):
+        for net in (eager, model.module):
+            net.options = dataclasses.replace(net.options, gain=gain)
+        torch.testing.assert_close(_step(model, opt_m, x), _step(eager, opt_e, x), rtol=1e-5, atol=1e-6)
+        _close(model, eager)
+    assert model.export_count == 2 and isinstance(model.module.options, FrozenOptions)
+    assert type(model.module.options) is FrozenOptions  # lent a recording class during export only
+
+
+def _classifier(problem_type):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=50, num_labels=3, problem_type=problem_type,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(config)
+
+
+def test_a_hugging_face_problem_type_set_by_the_first_call_and_then_changed_trains_as_pytorch():
+    # The classifier's first call sets config.problem_type (None -> multi-label for float labels): the next
+    # call traces again from the value it left (as torch.compile recompiles), without a warning, and keeps
+    # the first graph, which that trace gives again; a change the user makes later (to regression: an MSE
+    # loss) is a new graph, where it was frozen before.
+    eager = _classifier(None)
+    model = ORTModule(copy.deepcopy(eager))
+    ids = torch.randint(1, 50, (2, 8))
+    labels = torch.nn.functional.one_hot(torch.randint(0, 3, (2,)), 3).float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for _ in range(3):
+            model(input_ids=ids, labels=labels).loss.backward()
+    assert model.module.config.problem_type == "multi_label_classification" and model.export_count == 1
+    assert len(next(iter(model._cache.values()))) == 1  # one graph, its guards from the second trace
+    for net in (eager, model.module):
+        net.config.problem_type = "regression"
+    with pytest.warns(UserWarning, match="config.problem_type: 'multi_label_classification' -> 'regression'"):
+        got = model(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(got, eager(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-6)
+    assert model.export_count == 2
+
+
+def test_a_retrace_that_gives_another_graph_is_a_graph_of_its_own():
+    # A forward whose first call changes what it computes later (a one-time warm-up scale): the second
+    # trace differs, so the first graph is not reused for it, and every step matches PyTorch.
+    eager, model, opt_e, opt_m = _pair(WarmUp)
+    x = torch.randn(5, 3)
+    for _ in range(3):
+        torch.testing.assert_close(_step(model, opt_m, x), _step(eager, opt_e, x), rtol=1e-5, atol=1e-6)
+        _close(model, eager)
+    assert model.export_count == 2 and model.module.options.gain == 1.0
+
+
+class WarmUp(Configured):
+    def __init__(self):
+        super().__init__()
+        self.options.gain = None
+
+    def forward(self, x):
+        if self.options.gain is None:  # the first call only: doubled, then the gain settles at 1
+            x = x * 2
+            self.options.gain = 1.0
+        return super().forward(x)
+
+
+def test_a_problem_type_given_in_the_config_exports_once():
+    model = ORTModule(_classifier("multi_label_classification"))
+    ids = torch.randint(1, 50, (2, 8))
+    labels = torch.nn.functional.one_hot(torch.randint(0, 3, (2,)), 3).float()
+    for _ in range(3):
+        model(input_ids=ids, labels=labels).loss.backward()
+    assert model.export_count == 1

@@ -36,7 +36,6 @@ from onnxtrain.ondevice.format import (
     LOSS_SCALE,
     OPTIMIZER_METADATA_KEY,
     PARAMS,
-    ROWS_DIM,
     STEP,
     flat_name,
     updated_name,
@@ -175,11 +174,9 @@ def _clip_coefficient(op: GraphBuilder, grads: list[ir.Value], max_norm: float) 
     return op.Min(op.Div(f(max_norm), op.Add(total, f(CLIP_EPS))), f(1.0))
 
 
-def _flat_input(name: str, group: dict, rows_apart: bool) -> ir.Value:
-    """A flat [chunks, chunk] input; ``rows_apart``: its rows dim is the symbolic ``ROWS_DIM``."""
+def _flat_input(name: str, group: dict) -> ir.Value:
     dtype = ir.DataType.from_numpy(np.dtype(group["dtype"]))
-    rows = ROWS_DIM if rows_apart else group["chunks"]
-    return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape([rows, group["chunk"]]))
+    return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape([group["chunks"], group["chunk"]]))
 
 
 def _as_outputs(op: GraphBuilder, values: list[ir.Value], sources: list[ir.Value]) -> list[ir.Value]:
@@ -230,11 +227,7 @@ def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dty
     scale and count (:mod:`onnxtrain.blocks.loss_scale`).
 
     ``scan=False`` applies the update to the whole vectors instead of chunk by chunk (same inputs, outputs
-    and layout): onnxruntime-web's ``Scan`` costs more than the cache it saves (docs/web.md, "Web artifacts").
-
-    Where no row depends on another (a ``Scan``, no loss scaling, no ``max_grad_norm``: both read every
-    gradient), the vectors' rows dim is the symbolic ``chunks`` (``format.ROWS_DIM``): the runtime then runs
-    the graph over ranges of rows at once, one per thread (:class:`onnxtrain.ondevice.optimizer.Optimizer`)."""
+    and layout): onnxruntime-web's ``Scan`` costs more than the cache it saves (docs/web.md, "Web artifacts")."""
     if not params:
         raise ValueError("the optimizer needs at least one trainable parameter")
     groups = _group_layout(params)
@@ -246,10 +239,9 @@ def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dty
         scale = ir.Value(name=LOSS_SCALE, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]))
         good = ir.Value(name=GOOD_STEPS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
         inputs += [scale, good]
-    rows_apart = scan and scaler is None and optimizer.max_grad_norm is None
     flat = {}
     for group in groups:
-        p, g, *states = (_flat_input(flat_name(n, group["dtype"]), group, rows_apart)
+        p, g, *states = (_flat_input(flat_name(n, group["dtype"]), group)
                          for n in (PARAMS, GRADIENTS, *optimizer.states))
         inputs += [p, g, *states]
         flat[group["dtype"]] = (p, g, states)

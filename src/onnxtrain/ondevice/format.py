@@ -32,10 +32,6 @@ PARAMS = "params"
 GRADIENTS = "gradients"
 # An updated vector is the output named after its input plus this suffix (``params.float32.out``).
 OUTPUT_SUFFIX = ".out"
-# The vectors' rows (chunks) dim, symbolic where each row is updated on its own (no loss scaling, no gradient
-# clipping: both read every row), so that a runtime may run the graph over ranges of rows at once; fixed
-# otherwise (and in artifacts written before it).
-ROWS_DIM = "chunks"
 
 
 def flat_name(prefix: str, dtype: str) -> str:

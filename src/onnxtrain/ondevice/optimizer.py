@@ -3,18 +3,11 @@
 The optimizer model reads the live copy of the parameters and states and writes the other copy
 (its outputs ``<input>.out`` are distinct buffers); then the copies swap. One binding per direction
 is made once, so a step binds nothing.
-
-Where the model updates each row of the vectors on its own (its rows dim is symbolic, ``format.ROWS_DIM``:
-no loss scaling, no gradient clipping) and the session options give it several threads, a step is that
-many calls at once, each over its own range of rows on one thread (the calling thread runs the first;
-onnxruntime releases the GIL while it runs): the update is a dozen elementwise ops per 2^18-element row,
-each too small for onnxruntime to share well between threads. The values are those of one call.
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import onnxruntime as ort
@@ -27,7 +20,6 @@ from onnxtrain.ondevice.format import (
     LOSS_SCALE,
     OPTIMIZER_METADATA_KEY,
     PARAMS,
-    ROWS_DIM,
     STEP,
     flat_name,
     updated_name,
@@ -58,22 +50,12 @@ class Optimizer:
             raise TypeError(f"Optimizer needs a Module, got {type(module).__name__}")
         state = module._state
         self._state = state
-        options = module.session_options
-        session = create_session(optimizer_uri, options, module.device, "optimizer model")
+        session = create_session(optimizer_uri, module.session_options, module.device, "optimizer model")
         meta = read_metadata(session, OPTIMIZER_METADATA_KEY, optimizer_uri, "optimizer model")
-        buffers = module.buffers
-        check_layout(meta, buffers.layout, optimizer_uri)
-        pieces = _row_pieces(session, meta, buffers.layout, options.intra_op_num_threads)
-        if len(pieces) > 1:  # one thread per call: the session again, with one intra-op thread
-            threads = options.intra_op_num_threads
-            options.intra_op_num_threads = 1
-            try:
-                session = create_session(optimizer_uri, options, module.device, "optimizer model")
-            finally:
-                options.intra_op_num_threads = threads
         self._session = session
         self._meta = meta
-        self._pool = ThreadPoolExecutor(len(pieces) - 1, "onnxtrain-optimizer") if len(pieces) > 1 else None
+        buffers = module.buffers
+        check_layout(meta, buffers.layout, optimizer_uri)
         state.add_optimizer_states(meta["states"])
         self._buffers = buffers
         self._lr = np.array(state.learning_rate if state.learning_rate is not None
@@ -87,12 +69,10 @@ class Optimizer:
                 state.set_loss_scale(meta["loss_scaling"]["init_scale"])
             live = state.loss_scale_arrays
             self._scaling = (live, (np.zeros_like(live[0]), np.zeros_like(live[1])))
-        # per direction, one binding per range of rows
-        self._bindings = [[self._bind(buffers, src, rows) for rows in pieces] for src in (0, 1)]
+        self._bindings = [self._bind(buffers, src) for src in (0, 1)]
 
-    def _bind(self, buffers: FlatBuffers, src: int, piece: dict[str, slice]) -> ort.IOBinding:
-        """Read copy ``src`` of the parameters and states, write copy ``1 - src``: the rows ``piece[dtype]``
-        of each vector."""
+    def _bind(self, buffers: FlatBuffers, src: int) -> ort.IOBinding:
+        """Read copy ``src`` of the parameters and states, write copy ``1 - src``."""
         binding = self._session.io_binding()
         for name, array in ((LEARNING_RATE, self._lr), (STEP, self._step)):
             value = ortvalue(array)
@@ -106,15 +86,15 @@ class Optimizer:
                 binding.bind_ortvalue_output(updated_name(name), values[1])
         layout = buffers.layout
         for key in layout.dtypes:
-            rows, part = layout.rows(key), piece[key]
+            rows = layout.rows(key)
             vectors = [(PARAMS, buffers.params(src)[key], buffers.params(1 - src)[key])]
             vectors += [(s, buffers.states(s, src)[key], buffers.states(s, 1 - src)[key]) for s in self._meta["states"]]
-            grads = ortvalue(buffers.grads[key].reshape(rows)[part])
+            grads = ortvalue(buffers.grads[key].reshape(rows))
             self._keep.append(grads)
             binding.bind_ortvalue_input(flat_name(GRADIENTS, key), grads)
             for prefix, old, new in vectors:
                 name = flat_name(prefix, key)
-                old_value, new_value = ortvalue(old.reshape(rows)[part]), ortvalue(new.reshape(rows)[part])
+                old_value, new_value = ortvalue(old.reshape(rows)), ortvalue(new.reshape(rows))
                 self._keep += [old_value, new_value]
                 binding.bind_ortvalue_input(name, old_value)
                 binding.bind_ortvalue_output(updated_name(name), new_value)
@@ -124,13 +104,7 @@ class Optimizer:
         """Update every trainable parameter with the accumulated gradients."""
         self._buffers.grads_for_update()  # zero-filled if reset since the last training step
         self._step += 1
-        first, *others = self._bindings[self._buffers.current]
-        running = [self._pool.submit(self._session.run_with_iobinding, b) for b in others]
-        try:
-            self._session.run_with_iobinding(first)
-        finally:
-            for call in running:  # all done before the copies swap; the first error raised
-                call.result()
+        self._session.run_with_iobinding(self._bindings[self._buffers.current])
         self._buffers.swap()
         if self._scaling is not None:
             (scale, good), (new_scale, new_good) = self._scaling
@@ -147,19 +121,3 @@ class Optimizer:
     def get_learning_rate(self) -> float:
         """The learning rate of the next step."""
         return float(self._lr)
-
-
-def _row_pieces(session: ort.InferenceSession, meta: dict, layout: FlatLayout, threads: int) -> list[dict[str, slice]]:
-    """The ranges of rows to update at once, per element type: one per thread (``threads``, 0 for every
-    core this process may use), where the model updates each row on its own; else the whole vectors."""
-    whole = [{key: slice(None) for key in layout.dtypes}]
-    rows_apart = all(len(i.shape) != 2 or i.shape[0] == ROWS_DIM for i in session.get_inputs())
-    if not rows_apart or meta.get("loss_scaling") is not None or meta["hyperparameters"].get("max_grad_norm"):
-        return whole
-    if not threads:
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    count = min([threads] + [layout.rows(key)[0] for key in layout.dtypes])
-    if count < 2:
-        return whole
-    bounds = {key: np.linspace(0, layout.rows(key)[0], count + 1).round().astype(int) for key in layout.dtypes}
-    return [{key: slice(int(b[i]), int(b[i + 1])) for key, b in bounds.items()} for i in range(count)]

@@ -149,6 +149,7 @@ class SchemaGraphs:
     inference: TorchSession | None = None
     training: dict[tuple[bool, ...], Training] = field(default_factory=dict)
     guards: Guards = field(default_factory=Guards)  # the Python values the graph holds as constants
+    traced: tuple | None = None  # capture/structure.py's key, kept when the forward changed what it read
 
     @property
     def num_outputs(self) -> int:

@@ -20,9 +20,18 @@ this module does the same for ORTModule's export:
 - :func:`backward_hooks` names a module backward hook in the tree. Its gradients are computed inside the
   graph, where no such hook fires: the module runs in PyTorch instead (decided before export).
 
+- Objects a module holds (``self.config``: a Hugging Face config, a dataclass, any plain Python object
+  kept as an attribute) are lent a recording class too, so ``self.config.problem_type`` is guarded like
+  ``self.scale`` (one level: the held object's own attributes, read by module code or the object's own
+  methods, e.g. a property).
+
+A value the forward itself changed while it was exported (Hugging Face's classifiers set
+``config.problem_type`` on their first call) no longer holds at the next call, so that call exports again,
+as torch.compile recompiles there: the first graph was traced from the old value. :meth:`Guards.changed_by_export`
+says so, and ORTModule logs such a re-export instead of warning (the user changed nothing).
+
 ORTModule keeps one graph per set of values (``ortmodule/module.py``) and, past ``MAX_VARIANTS`` of them,
-runs the module in PyTorch with the attribute named in the reason. Values reached through other objects
-(``self.config.flag``) are not guarded (docs/ortmodule.md).
+runs the module in PyTorch with the attribute named in the reason (docs/ortmodule.md).
 """
 
 from __future__ import annotations
@@ -69,15 +78,17 @@ def _same(old, new) -> bool:
 
 @dataclass
 class Guards:
-    """(module, attribute, value read at export) for every plain value the forward read."""
+    """(module or held object, attribute, value read at export) for every plain value the forward read."""
 
-    reads: list[tuple[torch.nn.Module, str, object]] = field(default_factory=list)
+    reads: list[tuple[object, str, object]] = field(default_factory=list)
     # (the module's globals, name, value read at export, the module's name) for plain globals module code read
     global_reads: list[tuple[dict, str, object, str]] = field(default_factory=list)
     paths: dict[int, str] = field(default_factory=dict)  # id(module) -> its name in the tree, for messages
     layout: list[tuple[torch.nn.Module, tuple]] = field(default_factory=list)  # (module, _layout(module))
     global_layout: tuple = ()
     fast: "_Check | None" = None  # reads and layout, checked in a few microseconds per call
+    # (owner, name, value the export left) for the values read that the forward itself changed
+    changed_by_export: list[tuple[object, str, object]] = field(default_factory=list)
 
     def hold(self) -> bool:
         if self.fast is not None:
@@ -88,12 +99,11 @@ class Guards:
     def changed(self) -> list[str]:
         """``"path.name: old -> new"`` for each value that no longer holds."""
         out = []
-        for module, name, value in self.reads:
-            now = module.__dict__.get(name, _MISSING)
+        for owner, name, value in self.reads:
+            now = owner.__dict__.get(name, _MISSING)
             if not _same(value, now):
-                path = self.paths.get(id(module), "")
                 now = "(deleted)" if now is _MISSING else repr(now)
-                out.append(f"{path + '.' if path else ''}{name}: {value!r} -> {now}")
+                out.append(f"{self._path(owner, name)}: {value!r} -> {now}")
         for g, name, value, where in self.global_reads:
             now = g.get(name, _MISSING)
             if not _same(value, now):
@@ -112,6 +122,24 @@ class Guards:
         if _global_layout() != self.global_layout:
             out.append("the global module hooks")
         return out
+
+    def only_changed_by_export(self) -> bool:
+        """Whether what no longer holds is only values the forward itself changed during the export, each
+        still as the export left it: the re-export the next call needs is the module's own doing."""
+        if not self.changed_by_export:
+            return False
+        left = {(id(owner), name): value for owner, name, value in self.changed_by_export}
+        for owner, name, value in self.reads:
+            now = owner.__dict__.get(name, _MISSING)
+            if not _same(value, now) and not ((id(owner), name) in left and _same(left[(id(owner), name)], now)):
+                return False
+        kept = Guards(layout=self.layout, global_layout=self.global_layout, paths=self.paths)
+        return not kept.changed() and all(_same(value, g.get(name, _MISSING)) for g, name, value, _ in
+                                          self.global_reads)
+
+    def _path(self, owner, name: str) -> str:
+        path = self.paths.get(id(owner), "")
+        return f"{path + '.' if path else ''}{name}"
 
 
 def _kind(module) -> str:
@@ -134,7 +162,7 @@ class _Check:
     def __init__(self, reads: list, global_reads: list, modules: list[torch.nn.Module]):
         self.layout = [(m, _layout(m)) for m in modules]
         self.global_layout = _global_layout()
-        entries = [(module.__dict__, name, value) for module, name, value in reads]
+        entries = [(owner.__dict__, name, value) for owner, name, value in reads]
         entries += [(g, name, value) for g, name, value, _ in global_reads]
         self.owners = [owner for owner, _, _ in entries]
         self.names = [name for _, name, _ in entries]
@@ -196,33 +224,81 @@ def recording(module: torch.nn.Module):
     """While the block runs, note the plain values module code reads from ``module``'s tree; yields the
     :class:`Guards`, filled when the block ends. A module whose class cannot be swapped is left unguarded."""
     guards = Guards()
-    seen: dict[tuple[int, str], tuple[torch.nn.Module, str, object]] = {}
+    seen: dict[tuple[int, str], tuple[object, str, object]] = {}
     codes: dict = {}  # code object -> its frame's globals if module code runs it, else None
     swapped = []
     subclasses: dict[type, type] = {}
+    held: dict[int, object] = {}
     for path, m in module.named_modules(remove_duplicate=True):
-        cls = type(m)
-        sub = subclasses.get(cls)
-        if sub is None:
-            sub = subclasses[cls] = _recording_class(cls, seen, codes)
         guards.paths[id(m)] = path
-        try:
-            m.__class__ = sub
-        except TypeError:
-            continue
-        swapped.append((m, cls))
+        if _lend(m, subclasses, swapped, lambda cls: _recording_class(cls, seen, codes, held)):
+            for name, value in list(m.__dict__.items()):
+                if id(value) not in held and _holdable(name, value):
+                    held[id(value)] = value
+                    guards.paths[id(value)] = f"{path + '.' if path else ''}{name}"
+    for value in held.values():
+        _lend(value, subclasses, swapped, lambda cls: _held_recording_class(cls, seen))
     try:
         yield guards
     finally:
-        for m, cls in swapped:
-            m.__class__ = cls
+        for m, cls in reversed(swapped):
+            object.__setattr__(m, "__class__", cls)
         guards.reads = list(seen.values())
+        guards.changed_by_export = [(owner, name, owner.__dict__.get(name, _MISSING))
+                                    for owner, name, value in guards.reads
+                                    if not _same(value, owner.__dict__.get(name, _MISSING))]
         guards.global_reads = _globals_read(codes)
         guards.fast = _Check(guards.reads, guards.global_reads, list(module.modules()))
         guards.layout, guards.global_layout = guards.fast.layout, guards.fast.global_layout
 
 
-def _recording_class(cls: type, seen: dict, codes: dict) -> type:
+def _lend(obj, subclasses: dict, swapped: list, make) -> bool:
+    """Give ``obj`` its class's recording subclass (made once per class by ``make``) for the export."""
+    cls = type(obj)
+    sub = subclasses.get(cls)
+    if sub is None:
+        sub = subclasses[cls] = make(cls)
+    try:
+        object.__setattr__(obj, "__class__", sub)  # past a frozen dataclass's __setattr__
+    except TypeError:  # a class with __slots__ or a C layout: left unguarded
+        return False
+    swapped.append((obj, cls))
+    return True
+
+
+def _holdable(name: str, value) -> bool:
+    """Whether ``value``, a module attribute, is a plain Python object whose attributes a forward reads
+    (``self.config``): not a module, tensor, plain value, container, class, function or C object."""
+    if name.startswith("_") or _plain(value) or isinstance(value, (torch.nn.Module, torch.Tensor, type)):
+        return False
+    if callable(value) and not hasattr(type(value), "__dataclass_fields__"):
+        return False  # functions, bound methods, partials: compared by identity where they are plain
+    cls = type(value)
+    return (isinstance(getattr(value, "__dict__", None), dict) and cls.__module__ not in ("builtins", "functools")
+            and not cls.__module__.startswith("torch"))
+
+
+def _held_recording_class(cls: type, seen: dict) -> type:
+    """``cls`` with reads of its instances' plain attributes noted, when module code or the object's own
+    methods (a property) read them."""
+    parent_getattribute = cls.__getattribute__
+
+    def __getattribute__(self, name):
+        value = parent_getattribute(self, name)
+        if name.startswith("__") or not _plain(value):
+            return value
+        own = object.__getattribute__(self, "__dict__")
+        if name in own and own[name] is value and (id(self), name) not in seen:
+            caller = sys._getframe(1)
+            if _module_code(caller) or caller.f_locals.get("self") is self:
+                seen[(id(self), name)] = (self, name, value)
+        return value
+
+    return type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+def _recording_class(cls: type, seen: dict, codes: dict, held: dict) -> type:
     parent_getattribute = cls.__getattribute__
 
     def __getattribute__(self, name):
@@ -230,7 +306,8 @@ def _recording_class(cls: type, seen: dict, codes: dict) -> type:
         if caller.f_code not in codes:  # the module code that runs, for the globals it reads
             codes[caller.f_code] = caller.f_globals if _module_code(caller) else None
         value = parent_getattribute(self, name)  # raises for a submodule: __getattr__ finds it
-        if name.startswith("__") or not _plain(value):
+        # a held object is guarded by identity too (``self.options = dataclasses.replace(...)``)
+        if name.startswith("__") or not (_plain(value) or id(value) in held):
             return value
         own = object.__getattribute__(self, "__dict__")
         if name in own and own[name] is value and (id(self), name) not in seen:

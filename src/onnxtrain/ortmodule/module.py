@@ -33,6 +33,7 @@ import torch
 from onnxtrain.capture import capture, flatten, leaf_paths, unflatten
 from onnxtrain.capture.autocast_dtypes import AutocastDtypeError, autocast_output_dtypes
 from onnxtrain.capture.quiet import summary
+from onnxtrain.capture.structure import structure
 from onnxtrain.ortmodule import distributed, guards
 from onnxtrain.ortmodule.function import ORTFunction, reseed
 from onnxtrain.ortmodule.graphs import Saver, SchemaGraphs, build_training, prepare
@@ -144,6 +145,7 @@ class ORTModule(torch.nn.Module):
             if entry.matches(tensors) and entry.guards.hold():
                 return entry
         variants = [entry for entry in entries if entry.matches(tensors)]  # these sizes, other Python values
+        retraced = None
         if variants:
             changed = "; ".join(variants[-1].guards.changed()[:3])
             if len(variants) >= guards.MAX_VARIANTS:
@@ -151,15 +153,23 @@ class ORTModule(torch.nn.Module):
                     f"the forward reads Python values that keep changing ({changed}): each set of values is "
                     f"frozen into a graph of its own and {len(variants)} were exported; make such a value a "
                     "tensor (an argument or a buffer) to train in onnxruntime")
-            warnings.warn(f"ORTModule exports {type(self.module).__name__} again: what its forward "
-                          f"reads changed ({changed}), and the graph holds it as a constant", UserWarning,
-                          stacklevel=5)
+            if variants[-1].guards.only_changed_by_export():  # e.g. HF's first call sets config.problem_type
+                logger.info("tracing %s again: its forward changed what it reads while it was exported (%s)",
+                            type(self.module).__name__, changed)
+                with young_objects_only():
+                    retraced = self._retrace(variants[-1], args, kwargs, tensors)
+                if retraced is None:
+                    return variants[-1]
+            else:
+                warnings.warn(f"ORTModule exports {type(self.module).__name__} again: what its forward "
+                              f"reads changed ({changed}), and the graph holds it as a constant", UserWarning,
+                              stacklevel=5)
         with young_objects_only():  # the export's object churn would otherwise make the collector walk it all
-            graphs = self._export(key, len(entries), args, kwargs, tensors)
+            graphs = self._export(key, len(entries), args, kwargs, tensors, retraced)
         entries.append(graphs)
         return graphs
 
-    def _export(self, key, index: int, args, kwargs, tensors) -> SchemaGraphs:
+    def _export(self, key, index: int, args, kwargs, tensors, traced=None) -> SchemaGraphs:
         tag = f"s{self._schema_ids.setdefault(key, len(self._schema_ids))}_{index}"
         logger.info("exporting %s for a new input schema (%s)", type(self.module).__name__, tag)
         unsupported = distributed.unsupported(self.module)
@@ -170,26 +180,51 @@ class ORTModule(torch.nn.Module):
             raise guards.BackwardHookError(hooked)
         device = _device_of(self.module, tensors)
         backend, precision = _backend_for(self._backend, device)
-        # The float32 graph is captured: the precision is the backend's business.
-        with (_no_side_effects(self.module), torch.autocast(device.type, enabled=False),
-              guards.recording(self.module) as read):
-            captured = capture(self.module, args, kwargs,
-                               verbose=self._debug.log_level <= 0)
+        captured, read = traced if traced is not None else self._capture(args, kwargs, device)
         self._export_count += 1
         casts = _output_casts(self.module, args, kwargs, captured) if torch.is_autocast_enabled(device.type) else {}
         state_names = [n for n in self._state_names() if n in captured.model.graph.initializers]
+        traced = structure(captured.model, set(state_names)) if read.changed_by_export else None
         saver = self._saver(tag)
         if saver is not None:
             saver(captured.model, "exported")
         graphs = prepare(captured, state_names, device, int(self._debug.log_level))
         graphs.padding_rows, graphs.freq_scaled, graphs.shared_weights = _embedding_rules(self.module)
         graphs.saver = saver
-        graphs.guards = read
+        graphs.guards, graphs.traced = read, traced
         graphs.backend, graphs.precision = backend, precision
         graphs.output_casts = casts
         if saver is not None:
             saver(graphs.base, "inference")
         return graphs
+
+    def _capture(self, args, kwargs, device: torch.device):
+        """The float32 graph (the precision is the backend's business), and the guards of what it read."""
+        with (_no_side_effects(self.module), torch.autocast(device.type, enabled=False),
+              guards.recording(self.module) as read):
+            captured = capture(self.module, args, kwargs, verbose=self._debug.log_level <= 0)
+        return captured, read
+
+    def _retrace(self, graphs: SchemaGraphs, args, kwargs, tensors):
+        """Trace the forward again. If that gives ``graphs``' graph, keep ``graphs`` (its built sessions)
+        with the new trace's guards and return None; else return the trace (captured, guards) to build.
+        The first trace read values its own forward then changed, so it holds for the old values only; a
+        graph equal to it holds for the new ones as well."""
+        traced = self._capture(args, kwargs, _device_of(self.module, tensors))
+        captured, read = traced
+        if graphs.traced is None:
+            return traced
+        same = (structure(captured.model, set(graphs.state_names)) == graphs.traced
+                and captured.num_outputs == graphs.captured.num_outputs
+                and captured.mutated_buffers == graphs.captured.mutated_buffers
+                and captured.static_dims == graphs.captured.static_dims
+                and captured.dim_ranges == graphs.captured.dim_ranges
+                and repr(captured.output_spec) == repr(graphs.captured.output_spec))
+        logger.info("the new trace gives %s graph", "the same" if same else "another")
+        if not same:
+            return traced
+        graphs.guards = read
+        return None
 
     def _training_for(self, graphs: SchemaGraphs, tensors: list[torch.Tensor], state: list[torch.Tensor]):
         """The training graphs if gradients are wanted (grad mode, train mode, something requires grad)."""
