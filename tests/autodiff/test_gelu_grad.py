@@ -11,6 +11,7 @@ import torch
 from onnx import helper
 
 from onnxtrain.autodiff import gradient_model
+from onnxtrain.passes.liveness import simulate, steps_of
 
 X = np.concatenate([np.linspace(-12.0, 12.0, 4001), [0.0, -0.0, 1e-30, -1e-30, -40.0, 40.0, 5.5, -5.5]])
 
@@ -44,3 +45,19 @@ def test_gelu_gradient_matches_torch_in_fewer_ops(approximate, dtype, most_ops):
     # the gradient's ops beside the forward Gelu and the constants: 11 (erf) and 18 (tanh) before
     ops = [n.op_type for n in grad.graph.node if n.op_type not in ("Constant", "Gelu")]
     assert len(ops) <= most_ops, ops
+
+
+def test_the_erf_gradient_in_its_own_order_holds_four_full_size_values():
+    """Run in the order the rule makes its nodes (as onnxruntime's priority-based order does, and its
+    default order mostly), the erf form's gradient holds at most four full-size values at once: the input,
+    the incoming gradient and two temporaries (``passes/liveness.py``). Phi(x) made first held five (Phi
+    beside ``x`` and two of the Gaussian's temporaries): the on-device training graph's peak at budget 0
+    (BERT-small at 4x batch, docs/memory.md)."""
+    grad = _gradient("none", np.float32)
+    constants = {o for n in grad.graph.node if n.op_type == "Constant" for o in n.output}
+    nodes = [n for n in grad.graph.node if n.op_type not in ("Constant", "Gelu")]
+    steps = steps_of(nodes)
+    full = 4 * X.size
+    sizes = {v: 0 if v in constants else full for s in steps for v in (*s.inputs, *s.outputs)}
+    peak = simulate(steps, sizes, inputs=["x", "y_grad"], outputs=[nodes[-1].output[0]])
+    assert peak.bytes <= 4 * full, (peak.bytes / full, peak.live)

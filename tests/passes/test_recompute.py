@@ -271,3 +271,46 @@ def test_a_recomputation_reads_a_small_mask_from_the_stash_instead_of_its_long_c
     (dx,) = _run(split.backward, [dz] + [outs[i] for i in split.stashed_outputs]
                  + [[x, keep][j] for j in split.reused_inputs])
     np.testing.assert_allclose(dx, dz * 2 * y * (1 - y * y), rtol=1e-4, atol=1e-5)
+
+
+def test_a_small_recomputation_already_on_does_not_keep_a_larger_one_off():
+    """``z = w * w``, ``w = Where(IsNaN(p), 0, p)``, ``p = Softmax(x @ W)`` (BERT's attention probabilities
+    and their NaN guard). At budget 0 the boolean ``IsNaN(p)`` (one byte an element) is recomputed first, from
+    the stashed ``p``; recomputing ``p`` too then makes ``IsNaN``'s subgraph redo the product and the softmax,
+    9 times the bytes ``IsNaN`` alone saves, so the first pass over the candidates refuses it. The clones
+    are shared (each node is cloned once), and where the budget is still not met the second pass holds
+    ``p``'s recomputation to its own subgraph's bytes (twice what it saves): it goes on, and only the
+    inputs stay stashed. Before, ``p`` stayed stashed (BERT-small's four attention probabilities, 32 MiB
+    at 4x batch, on-device). Gradients as numpy's."""
+    f = TensorProto.FLOAT
+    batch = 64
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Softmax", ["h"], ["p"], axis=-1),
+             helper.make_node("IsNaN", ["p"], ["m"]), helper.make_node("Where", ["m", "zero", "p"], ["g"]),
+             helper.make_node("Mul", ["g", "g"], ["z"])]
+    graph = helper.make_graph(
+        nodes, "guarded_softmax",
+        [helper.make_tensor_value_info("x", f, ["batch", HIDDEN]), helper.make_tensor_value_info("w", f, [HIDDEN, HIDDEN])],
+        [helper.make_tensor_value_info("z", f, ["batch", HIDDEN])], initializer=[helper.make_tensor("zero", f, [], [0.0])])
+    training = gradient_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9),
+                              wrt=["x", "w"])
+    x = RNG.standard_normal((batch, HIDDEN)).astype(np.float32)
+    w = RNG.standard_normal((HIDDEN, HIDDEN)).astype(np.float32) / 3
+    dz = RNG.standard_normal((batch, HIDDEN)).astype(np.float32)
+    model = ir.from_proto(training)
+    recompute = RecomputePass(num_forward_outputs=1, plan=Recompute(budget=0.0), dims={"batch": batch})
+    recompute(model)
+    on = {c.node.op_type: c.on for c in recompute.plan.candidates}
+    assert on.get("IsNaN") is True and on.get("Softmax") is True, [(c.pattern, c.on) for c in recompute.plan.candidates]
+    split = split_forward_backward(model, num_forward_outputs=1, num_output_grads=1)
+    assert recompute.plan.kept_bytes == _stashed_bytes(split, {"batch": batch}) == 0
+    outs = _run(split.forward, [x, w])
+    h = x @ w
+    p = np.exp(h - h.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(outs[0], p * p, rtol=1e-5, atol=1e-6)
+    dx, dw = _run(split.backward, [dz] + [outs[i] for i in split.stashed_outputs]
+                  + [[x, w][j] for j in split.reused_inputs])
+    dp = dz * 2 * p
+    dh = p * (dp - (dp * p).sum(-1, keepdims=True))
+    np.testing.assert_allclose(dx, dh @ w.T, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dw, x.T @ dh, rtol=1e-4, atol=1e-5)

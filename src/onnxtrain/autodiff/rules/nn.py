@@ -203,11 +203,17 @@ def _gelu_erf_slope(g: GradContext, x: ir.Value) -> ir.Value:
     ``gelu_backward`` is one kernel, the standard onnxruntime wheel has no ``GeluGrad``). Phi(x) = 0.5 * erf
     + 0.5 is one ``HardSigmoid``, whose clamp to [0, 1] never bites since erf is in [-1, 1] (onnxruntime
     runs it in place; it has no float64 kernel, nor has ``Erf``). Each op is a pass over the whole tensor,
-    which is what the gradient costs at BERT-small's 4x batch ([32, 128, 1024]): docs/memory.md."""
+    which is what the gradient costs at BERT-small's 4x batch ([32, 128, 1024]): docs/memory.md.
+
+    The ``x * phi(x)`` term is made first and Phi(x) last, so that Phi's ``x / sqrt 2`` is the last read of
+    ``x``: run in this order, at most three full-size values are alive beside the incoming gradient (``x``
+    and two temporaries, then the term and two), where Phi first kept it beside ``x`` and two of the
+    Gaussian's temporaries: four (the on-device training graph's peak at budget 0, docs/memory.md)."""
     b = _Typed(g.b, g.inputs[0])
-    cdf = b.HardSigmoid(b.Erf(b.Mul(x, b.scalar(1.0 / math.sqrt(2.0), x))), alpha=0.5, beta=0.5)
     pdf = b.Mul(b.Exp(b.Mul(b.Mul(x, x), b.scalar(-0.5, x))), b.scalar(1.0 / math.sqrt(2.0 * math.pi), x))
-    return b.Add(cdf, b.Mul(x, pdf))
+    x_pdf = b.Mul(x, pdf)
+    cdf = b.HardSigmoid(b.Erf(b.Mul(x, b.scalar(1.0 / math.sqrt(2.0), x))), alpha=0.5, beta=0.5)
+    return b.Add(cdf, x_pdf)
 
 
 def _gelu_tanh_slope(g: GradContext, x: ir.Value) -> ir.Value:
