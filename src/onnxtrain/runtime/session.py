@@ -94,6 +94,12 @@ class TorchSession:
         else:
             self._session = backends.create_session(model.SerializeToString(), backend, precision, options)
         self.input_names = [i.name for i in self._session.get_inputs()]
+        # OpenVINO drops a graph input no node reads (a buffer the forward does not use, as Llama's
+        # original_inv_freq): callers pass every graph input, and those are left out here.
+        graph_inputs = [i.name for i in model.graph.input]
+        self._num_inputs = len(graph_inputs)
+        self._read = (None if self.input_names == graph_inputs
+                      else [graph_inputs.index(name) for name in self.input_names])
         self.output_names = [o.name for o in self._session.get_outputs()]
         # OpenVINO hands bfloat16 outputs to numpy as float16 arrays of the same bits: viewed back here.
         self._bfloat16 = [k for k, o in enumerate(self._session.get_outputs()) if o.type == "tensor(bfloat16)"]
@@ -120,8 +126,10 @@ class TorchSession:
         return cached[1]
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        if len(inputs) != len(self.input_names):
-            raise ValueError(f"the graph takes {len(self.input_names)} inputs, got {len(inputs)}")
+        if len(inputs) != self._num_inputs:
+            raise ValueError(f"the graph takes {self._num_inputs} inputs, got {len(inputs)}")
+        if self._read is not None:
+            inputs = [inputs[k] for k in self._read]
         if self._arrays is not None and all(t.dtype in _NUMPY_DTYPES for t in inputs):
             arrays = [self._input_value(k, t, _to_numpy) for k, t in enumerate(inputs)]
             return self._bfloat16_views([torch.from_numpy(a) for a in self._arrays(arrays)])
