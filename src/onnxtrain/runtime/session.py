@@ -56,9 +56,15 @@ _NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch
                  torch.uint8, torch.bool}
 
 
+# OpenVINO's arrays also take bfloat16 (numpy has none): as its int16 bits, typed bf16 by the session
+_ARRAY_DTYPES = _NUMPY_DTYPES | {torch.bfloat16}
+
+
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor's memory (of a contiguous copy if it is not contiguous)."""
-    return tensor.detach().contiguous().numpy()
+    """A numpy view of a CPU tensor's memory (of a contiguous copy if it is not contiguous); a bfloat16
+    tensor's as int16 (:meth:`onnxtrain.runtime.openvino.OpenVINOSession.run_arrays` reads it as bf16)."""
+    tensor = tensor.detach().contiguous()
+    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 class OutputShapeError(RuntimeError):
@@ -130,7 +136,7 @@ class TorchSession:
             raise ValueError(f"the graph takes {self._num_inputs} inputs, got {len(inputs)}")
         if self._read is not None:
             inputs = [inputs[k] for k in self._read]
-        if self._arrays is not None and all(t.dtype in _NUMPY_DTYPES for t in inputs):
+        if self._arrays is not None and all(t.dtype in _ARRAY_DTYPES for t in inputs):
             arrays = [self._input_value(k, t, _to_numpy) for k, t in enumerate(inputs)]
             return self._bfloat16_views([torch.from_numpy(a) for a in self._arrays(arrays)])
         binding = self._session.io_binding()
