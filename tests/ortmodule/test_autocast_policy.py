@@ -318,3 +318,58 @@ def test_running_sum_between_products_stays_float32(op):
     for name, want in exact.items():
         err, eager_err = _rel(grads[name], want), _rel(eager[name], want)
         assert err <= 2 * eager_err, (name, err, eager_err)
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_autocast_state_changing_between_and_within_steps():
+    """Autocast on, off, on again, float16, cache off, and the module called in and out of autocast in one
+    step: each call as eager under the same state (float32 ones to 1e-5; the others' gradients within 2x eager
+    autocast's error against float64), every state with its own graphs."""
+    low = [torch.float16] + ([torch.bfloat16] if backends.openvino_installed() and backends.openvino_has_bf16()
+                             else [])
+    states = [(low[-1], True), None, (low[-1], True), (torch.float16, True), (low[-1], False), None]
+    torch.manual_seed(0)
+    reference = _Mlp()
+    x = torch.randn(8, 16)
+    model, eager, exact = ORTModule(copy.deepcopy(reference)), copy.deepcopy(reference), copy.deepcopy(reference)
+    exact.double()
+
+    def call(m, state, both, x):
+        for p in m.parameters():
+            p.grad = None
+        if state is None:
+            out = m(x).double()
+        else:
+            with torch.autocast("cpu", dtype=state[0], cache_enabled=state[1]):
+                out = m(x).double()
+            if both:  # the same module again, outside autocast, in the same step
+                out = out + m(x * 0.5).double()
+        out.square().mean().backward()
+        return out.detach(), [p.grad.double() for p in m.parameters()]
+
+    for both in (False, True):
+        for state in states:
+            got, grads = call(model, state, both, x)
+            want, eager_grads = call(eager, state, both, x)
+            if state is None:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                for g, w in zip(grads, eager_grads):
+                    torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+                continue
+            for p in exact.parameters():
+                p.grad = None
+            x64 = x.double()
+            (exact(x64) + exact(x64 * 0.5) if both else exact(x64)).square().mean().backward()
+            exact_grads = [p.grad for p in exact.parameters()]
+            for g, w, e in zip(grads, eager_grads, exact_grads):
+                assert _rel(g, e) <= 2 * _rel(w, e), (state, both, _rel(g, e), _rel(w, e))
+    assert model.fallback_reason is None
+    assert len(model._cache) == len({s for s in states if s is None} | {(s[0],) for s in states if s})

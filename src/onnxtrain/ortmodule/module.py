@@ -441,7 +441,8 @@ def _output_casts(module: torch.nn.Module, args, kwargs, captured, kind: str,
     if key not in _warned_autocast:
         _warned_autocast.add(key)
         warnings.warn(f"ORTModule returns {type(module).__name__}'s outputs in float32 under torch.autocast, where "
-                      f"eager may return bfloat16 or float16: the dtypes eager gives are unknown, {reason}",
+                      f"eager may return bfloat16 or float16, and does not check that eager runs every product in "
+                      f"autocast's type (the graphs lower them all): the forward is unknown there, {reason}",
                       RuntimeWarning, stacklevel=5)
     return {}
 
