@@ -53,6 +53,8 @@ class _Block(torch.nn.Module):
             g = ((x.double() * 30) @ self.w64).float()
         elif self.kind == "mv":  # autocast keeps torch.mv float32
             g = torch.mv((x * 30).reshape(-1, 16), self.w[0]).reshape(*x.shape[:-1], 1)
+        elif self.kind == "cdist":  # and cdist, which the exported graph computes with a MatMul
+            g = torch.cdist(x * 30, self.w[None].expand(x.shape[0], -1, -1))
         else:  # "nested": a region of the other low type
             other = torch.float16 if torch.get_autocast_dtype("cpu") == torch.bfloat16 else torch.bfloat16
             with torch.autocast("cpu", dtype=other):
@@ -76,7 +78,7 @@ def _rel(got, want) -> float:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["disabled", "decorator", "custom_fwd", "float64", "mv", "nested"])
+@pytest.mark.parametrize("kind", ["disabled", "decorator", "custom_fwd", "float64", "mv", "cdist", "nested"])
 def test_products_autocast_does_not_lower_fall_back_with_the_reason(kind, dtype, monkeypatch):
     """Gradients no further from float64 than eager autocast's (2x, floor 1e-5: eager's float32 product is
     1e-7 from float64, the old bfloat16 product 2e-3), and the outputs eager's, with the reason said."""
