@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from onnxtrain import ORTModule
+from onnxtrain.ortmodule import module as ortmodule_module
 from onnxtrain.runtime import backends
 
 bf16_runs = pytest.mark.skipif(not (backends.openvino_installed() and backends.openvino_has_bf16()),
@@ -375,3 +376,52 @@ def test_autocast_state_changing_between_and_within_steps():
                 assert _rel(g, e) <= 2 * _rel(w, e), (state, both, _rel(g, e), _rel(w, e))
     assert model.fallback_reason is None
     assert len(model._cache) == len({s for s in states if s is None} | {(s[0],) for s in states if s})
+
+
+@pytest.mark.skipif(not backends.openvino_installed(), reason="onnxtrain[openvino] not installed")
+def test_float64_model_on_openvino_runs_onnxruntime_in_float64(monkeypatch):
+    """OpenVINO computes float64 in float32: with backend="openvino" a float64 MLP's outputs and gradients were
+    1e-7 from eager float64's. Now onnxruntime runs such a graph (a warning says so): float64 to 1e-12."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).double()
+    x = torch.randn(8, 16, dtype=torch.float64)
+    monkeypatch.setattr(ortmodule_module, "_warned_autocast", set())
+    model = ORTModule(copy.deepcopy(reference), backend="openvino")
+    with pytest.warns(RuntimeWarning, match="float64 tensors, which OpenVINO computes in float32"):
+        out = model(x)
+    out.square().sum().backward()
+    assert [(g.backend, g.precision) for entries in model._cache.values() for g in entries] == [("onnxruntime", "fp32")]
+    eager = copy.deepcopy(reference)
+    want = eager(x)
+    want.square().sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    for got, expected in zip(model.module.parameters(), eager.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-12, atol=1e-12)
+
+
+class _Float64Elementwise(torch.nn.Module):
+    """float64 arithmetic (no product) before a linear layer: autocast leaves it float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(((x * 1e6 + 1.0) - 1.0).to(self.lin.weight.dtype))
+
+
+@bf16_runs
+def test_float64_values_under_bf16_fall_back(monkeypatch):
+    """Under the bfloat16 hint OpenVINO would compute the float64 region in float32 or bfloat16 (1 + 1e6 x
+    loses x's digits); eager keeps it float64. Falls back, with the reason; values as eager's."""
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    torch.manual_seed(0)
+    reference = _Float64Elementwise()
+    x = torch.randn(4, 16, dtype=torch.float64) * 1e-3
+    model = ORTModule(copy.deepcopy(reference))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        out, grads = _step(model, x, torch.bfloat16)
+    assert "float64 tensors" in (model.fallback_reason or "")
+    eager_out, eager = _step(copy.deepcopy(reference), x, torch.bfloat16)
+    torch.testing.assert_close(out, eager_out, rtol=0, atol=0)
