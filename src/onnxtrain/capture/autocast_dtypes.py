@@ -1,4 +1,5 @@
-"""The dtype each output of a module call has in eager PyTorch under the current ``torch.autocast`` state.
+"""What eager PyTorch does under the current ``torch.autocast`` state: each output's dtype, and where the
+forward leaves autocast's precision (its products in another type, its branches on the autocast state).
 
 ORTModule captures the float32 graph (autocast off) and runs its precision on the backend; to hand the
 user's code what eager autocast would (bfloat16 logits, a float32 loss after cross-entropy, a float32
@@ -8,6 +9,19 @@ the activations). The dtypes are then exactly eager's, from the same Python code
 autocast rules (per op, including the ops autocast keeps float32 and those it promotes), which a rule table
 read off the exported graph would have to copy and keep in step with every torch release.
 
+The same run says what the backend's precision cannot follow (:class:`AutocastRun`):
+
+- **products** (matrix products, convolutions, attention) that eager runs in a type other than autocast's:
+  an ``autocast(enabled=False)`` region or ``@torch.autocast`` decorator, ``torch.amp.custom_fwd(
+  cast_inputs=torch.float32)``, a float64 tensor, a nested autocast of the other low type, or an op autocast
+  keeps float32 (``torch.mv``, ``torch.dot``). The backend lowers every product of the float32 graph, so
+  such a product would run in bfloat16 (float16) where eager runs it in float32: 1000x its error, silently.
+  They are seen where the dispatcher runs them, below autocast (a :class:`TorchDispatchMode` inside the fake
+  mode), with the dtypes autocast gave their operands.
+- **reads of the autocast state** (``torch.is_autocast_enabled()``) by the model's code that return True:
+  the float32 graph is traced with autocast off, where the same read returns False, so the graph would
+  hold the other branch.
+
 A forward that fake tensors cannot run (it reads a tensor's value: ``.item()``, a data-dependent branch)
 raises :class:`AutocastDtypeError`; ORTModule then returns the graph's float32 outputs, as before, and says
 why once.
@@ -15,31 +29,111 @@ why once.
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass, field
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from onnxtrain.capture.flatten import flatten, unflatten
+
+# The aten ops the dispatcher runs a product as, below autocast (linear and matmul arrive as mm/addmm/bmm,
+# conv2d as convolution, einsum as bmm); autocast lowers the first ones and keeps mv, dot and addmv float32,
+# and cdist (``_cdist_forward``), which the exported graph computes with a MatMul (its output 15x further from
+# float64 than eager's when that ran bf16).
+PRODUCTS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "convolution",
+                      "_convolution", "_scaled_dot_product_flash_attention_for_cpu",
+                      "_scaled_dot_product_attention_math", "_native_multi_head_attention", "_cdist_forward"})
+# Functions that report the autocast state; a True read by the model's code makes the float32 trace differ.
+_STATE_READS = ("is_autocast_enabled", "is_autocast_cpu_enabled")
+# Readers whose choice makes no difference to the float32 trace: Hugging Face's ``maybe_autocast`` picks
+# between ``torch.autocast(..., enabled=False)`` and no region, and autocast is off during the trace anyway
+# (a product inside such a region is still seen as a float32 product).
+_HARMLESS_READERS = frozenset({("transformers.utils.generic", "maybe_autocast")})
 
 
 class AutocastDtypeError(RuntimeError):
     """The forward could not run on fake tensors, so eager autocast's output dtypes are unknown."""
 
 
-def autocast_output_dtypes(module: torch.nn.Module, args: tuple, kwargs: dict) -> list[torch.dtype]:
-    """The dtype of each flattened output (``flatten(module(*args, **kwargs), "output")``'s order) that eager
-    PyTorch gives under the autocast state the caller is in. Neither the module's parameters and buffers nor
-    the RNG change: the forward runs on fake copies (the caller still restores buffers, as around export)."""
+@dataclass
+class AutocastRun:
+    """What the forward did on fake tensors under the caller's autocast state."""
+
+    dtypes: list[torch.dtype]  # each flattened output's dtype
+    products: dict[str, set[torch.dtype]] = field(default_factory=dict)  # aten product -> its operands' dtypes
+    reads: list[str] = field(default_factory=list)  # "torch.is_autocast_enabled (file:line)" that returned True
+
+    def off_policy(self, low: torch.dtype, lowered: frozenset) -> list[str]:
+        """The products eager runs in a type the backend would lower to ``low``: "mm in torch.float32"."""
+        return [f"{name} in {dtype}" for name, dtypes in self.products.items() for dtype in sorted(dtypes, key=str)
+                if dtype != low and dtype in lowered]
+
+
+class _Products(TorchDispatchMode):
+    """Records the operand dtypes of each product the dispatcher runs (after autocast cast them)."""
+
+    def __init__(self, products: dict[str, set[torch.dtype]]):
+        super().__init__()
+        self.products = products
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in PRODUCTS:
+            dtypes = {t.dtype for t in (*args, *(kwargs or {}).values())
+                      if isinstance(t, torch.Tensor) and t.is_floating_point()}
+            self.products.setdefault(name, set()).update(dtypes)
+        return func(*args, **(kwargs or {}))
+
+
+class _StateReads:
+    """Wraps torch's autocast-state functions to record the model's reads that return True."""
+
+    def __init__(self, reads: list[str]):
+        self.reads = reads
+
+    def __enter__(self):
+        self.originals = {name: getattr(torch, name) for name in _STATE_READS if hasattr(torch, name)}
+        for name, original in self.originals.items():
+            setattr(torch, name, self._recording(name, original))
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.originals.items():
+            setattr(torch, name, original)
+        return False
+
+    def _recording(self, name, original):
+        def read(*args, **kwargs):
+            value = original(*args, **kwargs)
+            frame = sys._getframe(1)
+            module = frame.f_globals.get("__name__", "")
+            if (value and module != "torch" and not module.startswith("torch.")
+                    and (module, frame.f_code.co_name) not in _HARMLESS_READERS):
+                self.reads.append(f"torch.{name} ({frame.f_code.co_filename}:{frame.f_lineno})")
+            return value
+        return read
+
+
+def autocast_run(module: torch.nn.Module, args: tuple, kwargs: dict) -> AutocastRun:
+    """Run the module's forward on fake tensors under the autocast state the caller is in: each flattened
+    output's dtype (``flatten(module(*args, **kwargs), "output")``'s order), its products' operand dtypes and
+    its reads of the autocast state. Neither the module's parameters and buffers nor the RNG change: the
+    forward runs on fake copies (the caller still restores buffers, as around export)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     cache = torch.is_autocast_cache_enabled()
     # Autocast caches its casts of parameters for the rest of the caller's region: fake casts must not stay
     # there, where the caller's next eager op on these parameters would read them.
     torch.set_autocast_cache_enabled(False)
+    run = AutocastRun([])
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, _Products(run.products), _StateReads(run.reads):
             flat, spec = flatten((tuple(args), dict(kwargs)))
             fake_args, fake_kwargs = unflatten([mode.from_tensor(t) for t in flat], spec)
             out = module(*fake_args, **fake_kwargs)
-            return [t.dtype for t in flatten(out, "output")[0]]
+            run.dtypes = [t.dtype for t in flatten(out, "output")[0]]
+            return run
     except Exception as exc:  # noqa: BLE001 - any failure means: not known, keep the graph's dtypes
         raise AutocastDtypeError(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
     finally:

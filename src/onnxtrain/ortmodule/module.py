@@ -31,7 +31,7 @@ import onnx_ir as ir
 import torch
 
 from onnxtrain.capture import capture, flatten, leaf_paths, unflatten
-from onnxtrain.capture.autocast_dtypes import AutocastDtypeError, autocast_output_dtypes
+from onnxtrain.capture.autocast_dtypes import AutocastDtypeError, autocast_run
 from onnxtrain.capture.quiet import summary
 from onnxtrain.capture.structure import structure
 from onnxtrain.ortmodule import distributed, guards
@@ -182,7 +182,9 @@ class ORTModule(torch.nn.Module):
         backend, precision = _backend_for(self._backend, device)
         captured, read = traced if traced is not None else self._capture(args, kwargs, device)
         self._export_count += 1
-        casts = _output_casts(self.module, args, kwargs, captured) if torch.is_autocast_enabled(device.type) else {}
+        casts = (_output_casts(self.module, args, kwargs, captured, device.type, precision)
+                 if torch.is_autocast_enabled(device.type) else {})
+        backend = _float64_backend(self.module, captured, backend, precision)
         state_names = [n for n in self._state_names() if n in captured.model.graph.initializers]
         traced = structure(captured.model, set(state_names)) if read.changed_by_export else None
         saver = self._saver(tag)
@@ -417,28 +419,60 @@ def _autocast_state() -> tuple:
     return tuple((torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda"))
 
 
-def _output_casts(module: torch.nn.Module, args, kwargs, captured) -> dict[int, ir.DataType]:
+def _output_casts(module: torch.nn.Module, args, kwargs, captured, kind: str,
+                  precision: str) -> dict[int, ir.DataType]:
     """{user output position: dtype} for the float32 graph outputs that eager autocast returns in bfloat16 or
     float16 (:mod:`onnxtrain.capture.autocast_dtypes`, asked under the caller's autocast state). Where eager's
-    dtypes cannot be known, none: the outputs stay float32, with a warning once per module class."""
+    dtypes cannot be known, none: the outputs stay float32, with a warning once per module class. Raises
+    :class:`AutocastPolicyError` where the graphs would not compute what eager does: a product eager runs in
+    another type than the one ``precision`` lowers it to, or a branch on the autocast state."""
     try:
         with _no_side_effects(module):
-            dtypes = autocast_output_dtypes(module, args, kwargs)
+            run = autocast_run(module, args, kwargs)
     except AutocastDtypeError as exc:
         reason = f"its forward does not run on fake tensors ({exc})"
     else:
-        if len(dtypes) == captured.num_outputs:
+        _check_policy(module, run, kind, precision)
+        if len(run.dtypes) == captured.num_outputs:
             outputs = captured.model.graph.outputs
-            return {k: _LOW[dtype] for k, dtype in enumerate(dtypes)
+            return {k: _LOW[dtype] for k, dtype in enumerate(run.dtypes)
                     if dtype in _LOW and outputs[k].dtype == ir.DataType.FLOAT}
-        reason = f"it returned {len(dtypes)} tensors there and {captured.num_outputs} when exported"
+        reason = f"it returned {len(run.dtypes)} tensors there and {captured.num_outputs} when exported"
     key = ("dtypes", type(module).__name__)
     if key not in _warned_autocast:
         _warned_autocast.add(key)
         warnings.warn(f"ORTModule returns {type(module).__name__}'s outputs in float32 under torch.autocast, where "
-                      f"eager may return bfloat16 or float16: the dtypes eager gives are unknown, {reason}",
+                      f"eager may return bfloat16 or float16, and does not check that eager runs every product in "
+                      f"autocast's type (the graphs lower them all): the forward is unknown there, {reason}",
                       RuntimeWarning, stacklevel=5)
     return {}
+
+
+class AutocastPolicyError(RuntimeError):
+    """Under torch.autocast the forward does what the graphs' precision cannot follow (ORTModule falls back)."""
+
+
+# The operand types each precision's backend lowers: OpenVINO's bfloat16 hint every float type of the graph,
+# the float16 pass (onnxtrain.passes.precision) the float32 products (a bfloat16 product fails on onnxruntime)
+_LOWERED = {"bf16": frozenset({torch.float32, torch.float64, torch.float16}),
+            "fp16": frozenset({torch.float32, torch.bfloat16})}
+
+
+def _check_policy(module: torch.nn.Module, run, kind: str, precision: str) -> None:
+    name = type(module).__name__
+    if run.reads:
+        raise AutocastPolicyError(
+            f"{name}'s forward reads the autocast state, {run.reads[0]}, which the float32 graph, traced with "
+            "autocast off, sees as False: it would hold the branch eager does not take")
+    if precision not in _LOWERED:  # float32 graphs (autocast not run, with a warning): products stay float32
+        return
+    off = run.off_policy(torch.get_autocast_dtype(kind), _LOWERED[precision])
+    if off:
+        raise AutocastPolicyError(
+            f"under torch.autocast({kind!r}, dtype={torch.get_autocast_dtype(kind)}) {name}'s forward runs "
+            f"products that autocast does not lower ({', '.join(off[:3])}: an autocast(enabled=False) region, "
+            "custom_fwd(cast_inputs=...), a float64 tensor or an op autocast keeps float32), which the "
+            f"{precision} graphs would run in {precision}")
 
 
 _LOW = {torch.bfloat16: ir.DataType.BFLOAT16, torch.float16: ir.DataType.FLOAT16}
@@ -459,6 +493,24 @@ def _backend_for(backend: str | None, device: torch.device) -> tuple[str, str]:
         warnings.warn(f"ORTModule does not run torch.autocast({kind!r}, dtype={dtype}) yet: its graphs run in "
                       "float32 (autocast bfloat16 and float16 on CPU are supported)", RuntimeWarning, stacklevel=4)
     return backends.resolve(backend, "fp32", kind)
+
+
+def _float64_backend(module: torch.nn.Module, captured, backend: str, precision: str) -> str:
+    """onnxruntime for a graph that takes or returns float64 tensors, which OpenVINO computes in float32
+    (a float64 MLP's gradients were 1e-7 from eager's, not 1e-16): a warning once per module class. Under its
+    bfloat16 hint, where onnxruntime cannot stand in, :class:`AutocastPolicyError` (the fallback)."""
+    graph = captured.model.graph
+    if backend != "openvino" or not any(v.dtype == ir.DataType.DOUBLE for v in (*graph.inputs, *graph.outputs)):
+        return backend
+    name = type(module).__name__
+    if precision == "bf16":
+        raise AutocastPolicyError(f"{name}'s graph has float64 tensors, which eager keeps float64 under autocast "
+                                  "and OpenVINO computes in float32 or bfloat16")
+    if ("float64", name) not in _warned_autocast:
+        _warned_autocast.add(("float64", name))
+        warnings.warn(f"ORTModule runs {name} on onnxruntime, not OpenVINO: its graph has float64 tensors, which "
+                      "OpenVINO computes in float32", RuntimeWarning, stacklevel=5)
+    return "onnxruntime"
 
 
 def _device_of(module: torch.nn.Module, tensors: list[torch.Tensor]) -> torch.device:

@@ -101,7 +101,8 @@ class OpenVINOSession:
         return SimpleNamespace(custom_metadata_map=meta)
 
     def run_arrays(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        """Run on every input in graph order (C-contiguous arrays, read in place) and return every output,
+        """Run on every input in graph order (C-contiguous arrays, read in place; a bfloat16 input as the int16
+        array of its bits) and return every output,
         copied out, in graph order: :class:`onnxtrain.runtime.session.TorchSession`'s path, which needs no
         OrtValues and no binding object."""
         if len(arrays) != len(self._inputs):
@@ -113,7 +114,9 @@ class OpenVINOSession:
         try:
             for k, (port, array) in enumerate(zip(self._inputs, arrays)):
                 try:
-                    request.set_input_tensor(k, ov.Tensor(array, shared_memory=True))
+                    request.set_input_tensor(k, ov.Tensor(array, ov.Shape(list(array.shape)), ov.Type.bf16)
+                                             if port.type == "tensor(bfloat16)" and array.dtype == np.int16
+                                             else ov.Tensor(array, shared_memory=True))
                 except Exception as exc:
                     raise ValueError(f"OpenVINO cannot bind {port.name!r} (shape {list(array.shape)}, "
                                      f"{array.dtype}): {exc}") from exc

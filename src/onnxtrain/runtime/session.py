@@ -56,9 +56,15 @@ _NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch
                  torch.uint8, torch.bool}
 
 
+# OpenVINO's arrays also take bfloat16 (numpy has none): as its int16 bits, typed bf16 by the session
+_ARRAY_DTYPES = _NUMPY_DTYPES | {torch.bfloat16}
+
+
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor's memory (of a contiguous copy if it is not contiguous)."""
-    return tensor.detach().contiguous().numpy()
+    """A numpy view of a CPU tensor's memory (of a contiguous copy if it is not contiguous); a bfloat16
+    tensor's as int16 (:meth:`onnxtrain.runtime.openvino.OpenVINOSession.run_arrays` reads it as bf16)."""
+    tensor = tensor.detach().contiguous()
+    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 class OutputShapeError(RuntimeError):
@@ -94,6 +100,12 @@ class TorchSession:
         else:
             self._session = backends.create_session(model.SerializeToString(), backend, precision, options)
         self.input_names = [i.name for i in self._session.get_inputs()]
+        # OpenVINO drops a graph input no node reads (a buffer the forward does not use, as Llama's
+        # original_inv_freq): callers pass every graph input, and those are left out here.
+        graph_inputs = [i.name for i in model.graph.input]
+        self._num_inputs = len(graph_inputs)
+        self._read = (None if self.input_names == graph_inputs
+                      else [graph_inputs.index(name) for name in self.input_names])
         self.output_names = [o.name for o in self._session.get_outputs()]
         # OpenVINO hands bfloat16 outputs to numpy as float16 arrays of the same bits: viewed back here.
         self._bfloat16 = [k for k, o in enumerate(self._session.get_outputs()) if o.type == "tensor(bfloat16)"]
@@ -120,9 +132,11 @@ class TorchSession:
         return cached[1]
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        if len(inputs) != len(self.input_names):
-            raise ValueError(f"the graph takes {len(self.input_names)} inputs, got {len(inputs)}")
-        if self._arrays is not None and all(t.dtype in _NUMPY_DTYPES for t in inputs):
+        if len(inputs) != self._num_inputs:
+            raise ValueError(f"the graph takes {self._num_inputs} inputs, got {len(inputs)}")
+        if self._read is not None:
+            inputs = [inputs[k] for k in self._read]
+        if self._arrays is not None and all(t.dtype in _ARRAY_DTYPES for t in inputs):
             arrays = [self._input_value(k, t, _to_numpy) for k, t in enumerate(inputs)]
             return self._bfloat16_views([torch.from_numpy(a) for a in self._arrays(arrays)])
         binding = self._session.io_binding()
