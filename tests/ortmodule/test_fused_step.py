@@ -145,3 +145,16 @@ def test_the_fused_loss_is_a_log_sum_exp_and_matches_eager():
     ops = {op.get_type_name() for op in _training(model).fused.session._session._model.get_ordered_ops()}
     assert "LogSoftmax" not in ops and "NegativeLogLikelihoodLoss" not in ops  # OpenVINO's names of the ONNX ops
     assert "ReduceMax" in ops
+
+
+def test_the_loss_gradient_is_read_by_both_products_as_one_row_view(monkeypatch):
+    """The fused graph's logits gradient (float32 loss region) is read by the output layer's input gradient and
+    weight gradient as one row view (passes/shared_rows.py: OpenVINO converts it to bf16 once); loss, logits
+    and gradients agree with eager's (``_compare``)."""
+    from onnxtrain.passes.shared_rows import SharedRowsPass
+
+    results = []
+    call = SharedRowsPass.call
+    monkeypatch.setattr(SharedRowsPass, "call", lambda self, model: results.append(call(self, model)) or results[-1])
+    _compare(lambda loss, logits: loss)
+    assert any(result.modified for result in results)

@@ -42,6 +42,7 @@ from onnxtrain.passes.log_sum_exp_loss import LogSumExpLossPass
 from onnxtrain.passes.optimize import OptimizePass
 from onnxtrain.passes.order_backward import OrderBackwardPass
 from onnxtrain.passes.recompute import Recompute, RecomputePass, Saved
+from onnxtrain.passes.shared_rows import SharedRowsPass
 from onnxtrain.passes.strip_stop_gradients import StripStopGradientsPass
 from onnxtrain.passes.sum_rows_by_matmul import SumRowsByMatMulPass
 from onnxtrain.passes.symbolic_shapes import SymbolicShapesPass
@@ -164,6 +165,9 @@ def ortmodule_fused(float32_sums: bool = False) -> Pipeline:
         *ortmodule_backward(float32_sums).steps,
         Step("log_sum_exp_loss", LogSumExpLossPass(),
              "the loss and its gradient's Exp in one graph: the log-softmax itself need not be made"),
+        Step("shared_rows", SharedRowsPass(),
+             "joint graph only: a gradient read by the input gradient's and the weight gradient's products "
+             "is converted to bf16 once"),
     ])
 
 

@@ -46,6 +46,11 @@ LOSS_SEEDS = frozenset({"LogSoftmax", "Exp"})
 # An Exp seeds the region only when it reads a LogSoftmax or a graph input (the saved log-probabilities in a
 # backward graph): GELU's gradient has an Exp too, and from it the region took in every layer's GELU.
 _EXP_SOURCES = frozenset({"LogSoftmax", "Parameter"})
+# Running sums: the plugin's bfloat16 CumSum rounds each partial sum, so its error grows with the axis (torch's
+# bfloat16 cumsum accumulates in float32 and rounds each output once). A cumsum over 512 features mid-graph: the
+# gradients under it 38-74x further from float64 than eager autocast's, a logcumsumexp's 130-150x; 1.0-1.1x kept
+# float32 (tests/ortmodule/test_autocast_policy.py). Kept under every policy but "none".
+ACCUMULATIONS = frozenset({"CumSum"})
 POLICIES = ("none", "loss", "sums", "all")
 POLICY_ENV = "ONNXTRAIN_OPENVINO_FLOAT32"  # "sums" (the default), "loss", "none" (the plugin's own choice) or "all"
 DEFAULT_POLICY = "sums"
@@ -118,6 +123,11 @@ def output_tails(nodes: Iterable[tuple[str, str, bool, list[str]]]) -> set[str]:
     return tails
 
 
+def accumulations(nodes: Iterable[tuple[str, str, bool, list[str]]]) -> set[str]:
+    """The float32 running sums (:data:`ACCUMULATIONS`) of the graph, to keep in float32."""
+    return {name for name, op_type, f32, _ in nodes if f32 and op_type in ACCUMULATIONS}
+
+
 def _log_sum_exp(sources: list[str], types: dict[str, str], reads: dict[str, list[str]]) -> bool:
     """An ``Exp`` of ``x - ReduceMax(x)``: a log-softmax written as a log-sum-exp
     (:mod:`onnxtrain.passes.log_sum_exp_loss`), a loss seed as ``LogSoftmax`` is."""
@@ -162,7 +172,8 @@ def keep_float32(model, core, name: str | None = None):
     if chosen == "none":
         return model  # "sums" marks the loss region as "loss" does: its row sums are ReduceSums already
     nodes = graph_of(model)
-    names = float32_region(nodes, seeds=None if chosen == "all" else LOSS_SEEDS) | output_tails(nodes)
+    names = (float32_region(nodes, seeds=None if chosen == "all" else LOSS_SEEDS) | output_tails(nodes)
+             | accumulations(nodes))
     if not names:
         return model
     import openvino as ov
