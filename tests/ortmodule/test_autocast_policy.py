@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from onnxtrain import ORTModule
+from onnxtrain.ortmodule import module as ortmodule_module
 from onnxtrain.runtime import backends
 
 bf16_runs = pytest.mark.skipif(not (backends.openvino_installed() and backends.openvino_has_bf16()),
@@ -53,6 +54,8 @@ class _Block(torch.nn.Module):
             g = ((x.double() * 30) @ self.w64).float()
         elif self.kind == "mv":  # autocast keeps torch.mv float32
             g = torch.mv((x * 30).reshape(-1, 16), self.w[0]).reshape(*x.shape[:-1], 1)
+        elif self.kind == "cdist":  # and cdist, which the exported graph computes with a MatMul
+            g = torch.cdist(x * 30, self.w[None].expand(x.shape[0], -1, -1))
         else:  # "nested": a region of the other low type
             other = torch.float16 if torch.get_autocast_dtype("cpu") == torch.bfloat16 else torch.bfloat16
             with torch.autocast("cpu", dtype=other):
@@ -76,7 +79,7 @@ def _rel(got, want) -> float:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["disabled", "decorator", "custom_fwd", "float64", "mv", "nested"])
+@pytest.mark.parametrize("kind", ["disabled", "decorator", "custom_fwd", "float64", "mv", "cdist", "nested"])
 def test_products_autocast_does_not_lower_fall_back_with_the_reason(kind, dtype, monkeypatch):
     """Gradients no further from float64 than eager autocast's (2x, floor 1e-5: eager's float32 product is
     1e-7 from float64, the old bfloat16 product 2e-3), and the outputs eager's, with the reason said."""
@@ -318,3 +321,107 @@ def test_running_sum_between_products_stays_float32(op):
     for name, want in exact.items():
         err, eager_err = _rel(grads[name], want), _rel(eager[name], want)
         assert err <= 2 * eager_err, (name, err, eager_err)
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_autocast_state_changing_between_and_within_steps():
+    """Autocast on, off, on again, float16, cache off, and the module called in and out of autocast in one
+    step: each call as eager under the same state (float32 ones to 1e-5; the others' gradients within 2x eager
+    autocast's error against float64), every state with its own graphs."""
+    low = [torch.float16] + ([torch.bfloat16] if backends.openvino_installed() and backends.openvino_has_bf16()
+                             else [])
+    states = [(low[-1], True), None, (low[-1], True), (torch.float16, True), (low[-1], False), None]
+    torch.manual_seed(0)
+    reference = _Mlp()
+    x = torch.randn(8, 16)
+    model, eager, exact = ORTModule(copy.deepcopy(reference)), copy.deepcopy(reference), copy.deepcopy(reference)
+    exact.double()
+
+    def call(m, state, both, x):
+        for p in m.parameters():
+            p.grad = None
+        if state is None:
+            out = m(x).double()
+        else:
+            with torch.autocast("cpu", dtype=state[0], cache_enabled=state[1]):
+                out = m(x).double()
+            if both:  # the same module again, outside autocast, in the same step
+                out = out + m(x * 0.5).double()
+        out.square().mean().backward()
+        return out.detach(), [p.grad.double() for p in m.parameters()]
+
+    for both in (False, True):
+        for state in states:
+            got, grads = call(model, state, both, x)
+            want, eager_grads = call(eager, state, both, x)
+            if state is None:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                for g, w in zip(grads, eager_grads):
+                    torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+                continue
+            for p in exact.parameters():
+                p.grad = None
+            x64 = x.double()
+            (exact(x64) + exact(x64 * 0.5) if both else exact(x64)).square().mean().backward()
+            exact_grads = [p.grad for p in exact.parameters()]
+            for g, w, e in zip(grads, eager_grads, exact_grads):
+                assert _rel(g, e) <= 2 * _rel(w, e), (state, both, _rel(g, e), _rel(w, e))
+    assert model.fallback_reason is None
+    assert len(model._cache) == len({s for s in states if s is None} | {(s[0],) for s in states if s})
+
+
+@pytest.mark.skipif(not backends.openvino_installed(), reason="onnxtrain[openvino] not installed")
+def test_float64_model_on_openvino_runs_onnxruntime_in_float64(monkeypatch):
+    """OpenVINO computes float64 in float32: with backend="openvino" a float64 MLP's outputs and gradients were
+    1e-7 from eager float64's. Now onnxruntime runs such a graph (a warning says so): float64 to 1e-12."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).double()
+    x = torch.randn(8, 16, dtype=torch.float64)
+    monkeypatch.setattr(ortmodule_module, "_warned_autocast", set())
+    model = ORTModule(copy.deepcopy(reference), backend="openvino")
+    with pytest.warns(RuntimeWarning, match="float64 tensors, which OpenVINO computes in float32"):
+        out = model(x)
+    out.square().sum().backward()
+    assert [(g.backend, g.precision) for entries in model._cache.values() for g in entries] == [("onnxruntime", "fp32")]
+    eager = copy.deepcopy(reference)
+    want = eager(x)
+    want.square().sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    for got, expected in zip(model.module.parameters(), eager.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-12, atol=1e-12)
+
+
+class _Float64Elementwise(torch.nn.Module):
+    """float64 arithmetic (no product) before a linear layer: autocast leaves it float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(((x * 1e6 + 1.0) - 1.0).to(self.lin.weight.dtype))
+
+
+@bf16_runs
+def test_float64_values_under_bf16_fall_back(monkeypatch):
+    """Under the bfloat16 hint OpenVINO would compute the float64 region in float32 or bfloat16 (1 + 1e6 x
+    loses x's digits); eager keeps it float64. Falls back, with the reason; values as eager's."""
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    torch.manual_seed(0)
+    reference = _Float64Elementwise()
+    x = torch.randn(4, 16, dtype=torch.float64) * 1e-3
+    model = ORTModule(copy.deepcopy(reference))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        out, grads = _step(model, x, torch.bfloat16)
+    assert "float64 tensors" in (model.fallback_reason or "")
+    eager_out, eager = _step(copy.deepcopy(reference), x, torch.bfloat16)
+    torch.testing.assert_close(out, eager_out, rtol=0, atol=0)

@@ -184,6 +184,7 @@ class ORTModule(torch.nn.Module):
         self._export_count += 1
         casts = (_output_casts(self.module, args, kwargs, captured, device.type, precision)
                  if torch.is_autocast_enabled(device.type) else {})
+        backend = _float64_backend(self.module, captured, backend, precision)
         state_names = [n for n in self._state_names() if n in captured.model.graph.initializers]
         traced = structure(captured.model, set(state_names)) if read.changed_by_export else None
         saver = self._saver(tag)
@@ -441,7 +442,8 @@ def _output_casts(module: torch.nn.Module, args, kwargs, captured, kind: str,
     if key not in _warned_autocast:
         _warned_autocast.add(key)
         warnings.warn(f"ORTModule returns {type(module).__name__}'s outputs in float32 under torch.autocast, where "
-                      f"eager may return bfloat16 or float16: the dtypes eager gives are unknown, {reason}",
+                      f"eager may return bfloat16 or float16, and does not check that eager runs every product in "
+                      f"autocast's type (the graphs lower them all): the forward is unknown there, {reason}",
                       RuntimeWarning, stacklevel=5)
     return {}
 
@@ -491,6 +493,24 @@ def _backend_for(backend: str | None, device: torch.device) -> tuple[str, str]:
         warnings.warn(f"ORTModule does not run torch.autocast({kind!r}, dtype={dtype}) yet: its graphs run in "
                       "float32 (autocast bfloat16 and float16 on CPU are supported)", RuntimeWarning, stacklevel=4)
     return backends.resolve(backend, "fp32", kind)
+
+
+def _float64_backend(module: torch.nn.Module, captured, backend: str, precision: str) -> str:
+    """onnxruntime for a graph that takes or returns float64 tensors, which OpenVINO computes in float32
+    (a float64 MLP's gradients were 1e-7 from eager's, not 1e-16): a warning once per module class. Under its
+    bfloat16 hint, where onnxruntime cannot stand in, :class:`AutocastPolicyError` (the fallback)."""
+    graph = captured.model.graph
+    if backend != "openvino" or not any(v.dtype == ir.DataType.DOUBLE for v in (*graph.inputs, *graph.outputs)):
+        return backend
+    name = type(module).__name__
+    if precision == "bf16":
+        raise AutocastPolicyError(f"{name}'s graph has float64 tensors, which eager keeps float64 under autocast "
+                                  "and OpenVINO computes in float32 or bfloat16")
+    if ("float64", name) not in _warned_autocast:
+        _warned_autocast.add(("float64", name))
+        warnings.warn(f"ORTModule runs {name} on onnxruntime, not OpenVINO: its graph has float64 tensors, which "
+                      "OpenVINO computes in float32", RuntimeWarning, stacklevel=5)
+    return "onnxruntime"
 
 
 def _device_of(module: torch.nn.Module, tensors: list[torch.Tensor]) -> torch.device:
