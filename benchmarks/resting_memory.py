@@ -113,10 +113,12 @@ def _save_graphs(runner, folder: Path) -> None:
     import onnx_ir as ir
 
     from onnxtrain.autodiff.engine import ir_version_for_onnxruntime
+    from onnxtrain.autodiff.stop_gradient import strip_stop_gradients
 
     for k, training in enumerate(t for entries in runner._cache.values() for g in entries for t in g.training.values()):
-        onnx.save(ir_version_for_onnxruntime(ir.to_proto(training.split.forward)), str(folder / f"g_{k}_forward.onnx"))
-        onnx.save(training.backward_proto, str(folder / f"g_{k}_backward.onnx"))
+        forward = ir_version_for_onnxruntime(ir.to_proto(training.split.forward))
+        for kind, proto in (("forward", forward), ("backward", training.backward_proto)):
+            onnx.save(strip_stop_gradients(proto), str(folder / f"g_{k}_{kind}.onnx"))  # as the sessions run them
 
 
 def _ortmodule(model, budget: float, phases: Phases):

@@ -52,3 +52,9 @@ python -m pytest -s -m opinfo_full tests/opinfo
 echo "== tier: distributed (two processes on CPU: ORTModule in DeepSpeed ZeRO-1/2/3 and FSDP2 against eager)"
 # deepspeed comes with .[test]; its CPU accelerator JIT-builds one op (cached in ~/.cache/torch_extensions).
 DS_ACCELERATOR=cpu timeout 1800 python -m pytest -m distributed tests/distributed
+
+echo "== tier: families (30 transformers model families through ORTModule against eager, both ends of torch)"
+# tests/ortmodule/test_families.py: two training steps each, losses and every gradient against PyTorch;
+# about 6 minutes per interpreter here. The newest torch's venv was made by its tier above.
+python -m pytest -m families tests/ortmodule/test_families.py
+PYTHONPATH="$PWD/src" "$NEWEST_VENV/bin/python" -m pytest -p no:cacheprovider -m families tests/ortmodule/test_families.py

@@ -33,6 +33,10 @@ FORWARD_GRADIENT: set[str] = {
     # DeepSpeed 0.19: matmul(+bias) forward; backward grad_output @ W, grad_output^T @ x, sum(grad_output),
     # the weight gathered again if ZeRO-3 partitioned it after the forward (tests/distributed).
     "deepspeed.runtime.zero.linear.LinearFunctionForZeroStage3",
+    # transformers 5.x BLOOM's GELU (every BloomForCausalLM MLP): forward x/2 (1 + tanh(u)),
+    # u = 0.79788456 (x + 0.044715 x^3); backward (1 + tanh u)/2 + x/2 (1 - tanh^2 u) du/dx, with
+    # du/dx = 0.79788456 + 0.1070322243 x^2 (= 3 * 0.044715 * 0.79788456): the forward's exact derivative.
+    "transformers.models.bloom.modeling_bloom.GeLUFunction",
 }
 
 

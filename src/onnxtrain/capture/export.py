@@ -22,7 +22,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from onnxtrain.capture.flatten import Constant, Spec, flatten, unflatten
+from onnxtrain.capture.flatten import Constant, Spec, UnsupportedStructureError, flatten, unflatten
 from onnxtrain.capture.moe import moe_translations
 from onnxtrain.capture.promotion import needs_type_promotion
 from onnxtrain.capture.quiet import quiet_exporter, summary
@@ -69,7 +69,11 @@ class FlatModule(torch.nn.Module):
         args, kwargs = unflatten(tensors, self.input_spec)
         with self.watch if self.watch is not None else contextlib.nullcontext():
             out = self.module(*args, **kwargs)
-        flat, self.record["output_spec"] = flatten(out, "output")
+        try:
+            flat, self.record["output_spec"] = flatten(out, "output")
+        except UnsupportedStructureError as exc:  # the same under every exporter: capture() says it alone
+            self.record["structure_error"] = exc
+            raise
         if any(t.is_complex() for t in flat):  # the exporter writes them as real (..., 2) tensors
             raise ExportError("the forward returns a complex tensor, which ORTModule does not support")
         buffers = dict(self.module.named_buffers(remove_duplicate=False))
@@ -116,6 +120,8 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, verbose: bool
             raise TraceDependsOnExample(f"{exc}; torch.export failed too (log level INFO shows why)" if errors
                                         else str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - any exporter failure: try the next, report all
+            if "structure_error" in record:  # the forward returns what ORTModule cannot carry: one line
+                raise ExportError(str(record["structure_error"])) from None
             refused = refused_reason(exc)
             if refused is not None:  # an op no exporter translates exactly: no other exporter is tried
                 raise ExportError(refused) from None

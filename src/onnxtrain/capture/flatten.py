@@ -90,7 +90,7 @@ def _flatten(obj: Any, tensors: list[torch.Tensor], path: str) -> Spec:
         return Node_(type(obj), _hashable(context), items, context)
     hint = " (a model cache: pass use_cache=False to train)" if "Cache" in type(obj).__name__ else ""
     raise UnsupportedStructureError(
-        f"{path} is a {type(obj).__name__}{hint}; ORTModule takes and returns tensors, tuples, lists, dicts, "
+        f"{path} has type {type(obj).__name__}{hint}; ORTModule takes and returns tensors, tuples, lists, dicts, "
         "ModelOutputs, plain values (None, bool, int, float, str) and torch.utils._pytree nodes. Convert it "
         "to one of those."
     )
