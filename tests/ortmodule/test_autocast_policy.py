@@ -78,6 +78,21 @@ def _rel(got, want) -> float:
     return float((got.double() - want).norm() / want.norm())
 
 
+def _near_autocast(grads, eager, exact, floor=0.0):
+    """Each gradient's error against float64 at most 2x eager autocast's (or ``floor``)."""
+    for name, want in exact.items():
+        err, eager_err = _rel(grads[name], want), _rel(eager[name], want)
+        assert err <= max(2 * eager_err, floor), (name, err, eager_err)
+
+
+def _eager_and_exact(reference, x, dtype):
+    """Eager autocast's gradients and float64 PyTorch's, on copies of ``reference``."""
+    _, eager = _step(copy.deepcopy(reference), x, dtype)
+    with torch.autocast("cpu", enabled=False):
+        _, exact = _step(copy.deepcopy(reference).double(), x.double(), dtype)
+    return eager, exact
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["disabled", "decorator", "custom_fwd", "float64", "mv", "cdist", "nested"])
 def test_products_autocast_does_not_lower_fall_back_with_the_reason(kind, dtype, monkeypatch):
@@ -100,9 +115,7 @@ def test_products_autocast_does_not_lower_fall_back_with_the_reason(kind, dtype,
         exact_out, exact = _step(copy.deepcopy(reference).double(), x.double(), dtype)
     assert out.dtype == eager_out.dtype
     torch.testing.assert_close(out, eager_out, rtol=0, atol=0)  # eager's own forward, same arithmetic
-    for name, want in exact.items():
-        err, eager_err = _rel(grads[name], want), _rel(eager[name], want)
-        assert err <= max(2 * eager_err, 1e-5), (name, err, eager_err)
+    _near_autocast(grads, eager, exact, floor=1e-5)
 
 
 def test_float64_products_stay_under_fp16():
@@ -114,12 +127,7 @@ def test_float64_products_stay_under_fp16():
     model = ORTModule(copy.deepcopy(reference))
     _, grads = _step(model, x, torch.float16)
     assert [g.precision for entries in model._cache.values() for g in entries] == ["fp16"]
-    _, eager = _step(copy.deepcopy(reference), x, torch.float16)
-    with torch.autocast("cpu", enabled=False):
-        _, exact = _step(copy.deepcopy(reference).double(), x.double(), torch.float16)
-    for name, want in exact.items():
-        err, eager_err = _rel(grads[name], want), _rel(eager[name], want)
-        assert err <= 2 * eager_err, (name, err, eager_err)
+    _near_autocast(grads, *_eager_and_exact(reference, x, torch.float16))
 
 
 class _Branches(torch.nn.Module):
@@ -189,9 +197,7 @@ def test_off_region_without_products_stays_on_the_graphs(dtype):
     assert model.fallback_reason is None
     eager = step(copy.deepcopy(reference), x, pos)
     exact = step(copy.deepcopy(reference).double(), x.double(), pos, enabled=False)
-    for name, want in exact.items():
-        err, eager_err = _rel(grads[name], want), _rel(eager[name], want)
-        assert err <= 2 * eager_err, (name, err, eager_err)
+    _near_autocast(grads, eager, exact)
 
 
 class _UnusedBuffer(torch.nn.Module):
@@ -284,9 +290,7 @@ def test_bfloat16_input_runs_on_openvino():
     exact_out, exact, *_ = run(copy.deepcopy(reference).double(), x.double(), enabled=False)
     assert dtypes == eager_dtypes == [torch.bfloat16, torch.bfloat16]
     assert _rel(out, exact_out) <= 2 * _rel(eager_out, exact_out)
-    for name, want in exact.items():
-        err, eager_err = _rel(grads[name], want), _rel(eager[name], want)
-        assert err <= 2 * eager_err, (name, err, eager_err)
+    _near_autocast(grads, eager, exact)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         inference = ORTModule(copy.deepcopy(reference))(x)
         assert _rel(inference.double(), exact_out) <= 2 * _rel(reference(x).double(), exact_out)
@@ -315,12 +319,7 @@ def test_running_sum_between_products_stays_float32(op):
     model = ORTModule(copy.deepcopy(reference))
     _, grads = _step(model, x, torch.bfloat16)
     assert [g.backend for entries in model._cache.values() for g in entries] == ["openvino"]
-    _, eager = _step(copy.deepcopy(reference), x, torch.bfloat16)
-    with torch.autocast("cpu", enabled=False):
-        _, exact = _step(copy.deepcopy(reference).double(), x.double(), torch.bfloat16)
-    for name, want in exact.items():
-        err, eager_err = _rel(grads[name], want), _rel(eager[name], want)
-        assert err <= 2 * eager_err, (name, err, eager_err)
+    _near_autocast(grads, *_eager_and_exact(reference, x, torch.bfloat16))
 
 
 class _Mlp(torch.nn.Module):

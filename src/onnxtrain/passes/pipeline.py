@@ -36,6 +36,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from onnxtrain.passes.chunk_cross_entropy import ChunkCrossEntropyPass, chunks_for
+from onnxtrain.passes.erf_cdf import ErfCdfPass
 from onnxtrain.passes.expand_cross_entropy import ExpandCrossEntropyPass
 from onnxtrain.passes.initializers_to_inputs import InitializersToInputsPass
 from onnxtrain.passes.log_sum_exp_loss import LogSumExpLossPass
@@ -160,7 +161,8 @@ def ortmodule_backward(float32_sums: bool = False) -> Pipeline:
 
 def ortmodule_fused(float32_sums: bool = False) -> Pipeline:
     """The fused forward + backward graph (OpenVINO; :mod:`onnxtrain.ortmodule.fused`) after its absent output
-    gradients are pruned: :func:`ortmodule_backward`'s passes, then the loss's log-softmax as a log-sum-exp."""
+    gradients are pruned: :func:`ortmodule_backward`'s passes, then the loss's log-softmax as a log-sum-exp, the loss
+    gradient's two row views as one, GELU's ``HardSigmoid`` as ``Mul`` and ``Add``."""
     return Pipeline("ortmodule_fused", [
         *ortmodule_backward(float32_sums).steps,
         Step("log_sum_exp_loss", LogSumExpLossPass(),
@@ -168,6 +170,8 @@ def ortmodule_fused(float32_sums: bool = False) -> Pipeline:
         Step("shared_rows", SharedRowsPass(),
              "joint graph only: a gradient read by the input gradient's and the weight gradient's products "
              "is converted to bf16 once"),
+        Step("erf_cdf", ErfCdfPass(),
+             "OpenVINO only: its HardSigmoid is a reference float32 kernel; Mul and Add join the Erf's jit chain"),
     ])
 
 
