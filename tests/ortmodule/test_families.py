@@ -8,7 +8,7 @@ eager's AdamW step is copied into the ORTModule's parameters in place, so the se
 the graph reads the parameters as they are now. ORTModule must run its graph: the conftest makes a fallback
 raise. The families that must fall back are listed in ``FALLS_BACK`` with the reason the fallback gives.
 
-About 6 minutes for the whole list on the 2-core machine; run with ``-m families`` (both ends of the torch
+About 1.5 minutes for the whole list on the quiet 2-core machine; run with ``-m families`` (both ends of the torch
 range run it in CI).
 """
 
