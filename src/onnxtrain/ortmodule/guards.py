@@ -133,9 +133,9 @@ class Guards:
             now = owner.__dict__.get(name, _MISSING)
             if not _same(value, now) and not ((id(owner), name) in left and _same(left[(id(owner), name)], now)):
                 return False
-        kept = Guards(layout=self.layout, global_layout=self.global_layout, paths=self.paths)
-        return not kept.changed() and all(_same(value, g.get(name, _MISSING)) for g, name, value, _ in
-                                          self.global_reads)
+        rest = Guards(global_reads=self.global_reads, layout=self.layout, global_layout=self.global_layout,
+                      paths=self.paths)  # everything but the attribute reads checked above
+        return not rest.changed()
 
     def _path(self, owner, name: str) -> str:
         path = self.paths.get(id(owner), "")

@@ -169,7 +169,7 @@ class ORTModule(torch.nn.Module):
         entries.append(graphs)
         return graphs
 
-    def _export(self, key, index: int, args, kwargs, tensors, traced=None) -> SchemaGraphs:
+    def _export(self, key, index: int, args, kwargs, tensors, retraced=None) -> SchemaGraphs:
         tag = f"s{self._schema_ids.setdefault(key, len(self._schema_ids))}_{index}"
         logger.info("exporting %s for a new input schema (%s)", type(self.module).__name__, tag)
         unsupported = distributed.unsupported(self.module)
@@ -180,7 +180,7 @@ class ORTModule(torch.nn.Module):
             raise guards.BackwardHookError(hooked)
         device = _device_of(self.module, tensors)
         backend, precision = _backend_for(self._backend, device)
-        captured, read = traced if traced is not None else self._capture(args, kwargs, device)
+        captured, read = retraced if retraced is not None else self._capture(args, kwargs, device)
         self._export_count += 1
         casts = (_output_casts(self.module, args, kwargs, captured, device.type, precision)
                  if torch.is_autocast_enabled(device.type) else {})
