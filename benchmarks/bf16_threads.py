@@ -14,7 +14,8 @@ ratio (eager / ORTModule, the issue-17 target's form) and each round's ratio.
 
 Settings: ``default`` (what ``ortmodule_bench.py`` runs); ``omp-passive`` (OMP_WAIT_POLICY=PASSIVE: torch's
 idle workers sleep at once); ``gomp-spin-10k`` (GOMP_SPINCOUNT=10000: a short spin); ``ov-1-thread``
-(OpenVINO INFERENCE_NUM_THREADS=1, torch keeps 2); ``ov-no-pinning`` (ENABLE_CPU_PINNING=False);
+(OpenVINO INFERENCE_NUM_THREADS=1, torch keeps 2); ``ov-pinning`` (ENABLE_CPU_PINNING=True, OpenVINO's
+default, which ORTModule turns off: ``bf16_pinning.py``);
 ``ov-throughput`` (PERFORMANCE_HINT=THROUGHPUT); ``malloc-keep`` (MALLOC_MMAP_THRESHOLD_ and
 MALLOC_TRIM_THRESHOLD_ raised: glibc keeps freed memory, so the optimizer's temporaries stop faulting in fresh
 pages; docs/precision.md); ``1-thread`` (torch and OpenVINO on one thread).
@@ -36,7 +37,7 @@ SETTINGS = {  # name: (environment, OpenVINO compile properties, threads)
     "omp-passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, {}, 2),
     "gomp-spin-10k": ({"GOMP_SPINCOUNT": "10000"}, {}, 2),
     "ov-1-thread": ({}, {"INFERENCE_NUM_THREADS": 1}, 2),
-    "ov-no-pinning": ({}, {"ENABLE_CPU_PINNING": False}, 2),
+    "ov-pinning": ({}, {"ENABLE_CPU_PINNING": True}, 2),
     "ov-throughput": ({}, {"PERFORMANCE_HINT": "THROUGHPUT"}, 2),
     "malloc-keep": ({"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}, {}, 2),
     "1-thread": ({}, {}, 1),

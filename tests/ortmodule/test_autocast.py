@@ -134,6 +134,20 @@ def _sessions_under(float32_ops: str, monkeypatch) -> list:
     return made
 
 
+@openvino_needed
+def test_ortmodule_leaves_openvino_threads_unpinned(monkeypatch):
+    """ORTModule's OpenVINO sessions (forward and backward here) compile with ``ENABLE_CPU_PINNING`` off:
+    torch's OpenMP workers share the cores and spin after each parallel op, and a pinned OpenVINO thread
+    waited them out (docs/precision.md)."""
+    made = _sessions_under("default", monkeypatch)
+    model = ORTModule(Net(), backend="openvino")
+    x, y = _data()
+    torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    compiled = [session._compile() for session in made]
+    assert len(compiled) >= 2, "expected a forward and a backward OpenVINO session"
+    assert [c.get_property("ENABLE_CPU_PINNING") for c in compiled] == [False] * len(compiled)
+
+
 def _tiny_transformer(kind: str, full: bool = False):
     """BERT-small's and GPT-2-small's architectures (benchmarks/ortmodule_bench.py) at test size: the model and a
     call returning its loss (``full``: its whole output)."""

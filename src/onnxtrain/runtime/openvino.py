@@ -48,7 +48,9 @@ class OpenVINOSession:
     """A compiled OpenVINO model with ``get_inputs``/``get_outputs``/``get_modelmeta``/``io_binding``/
     ``run_with_iobinding`` as onnxruntime's InferenceSession has them."""
 
-    def __init__(self, model, precision: str = "fp32", threads: int | None = None):
+    def __init__(self, model, precision: str = "fp32", threads: int | None = None, pin_threads: bool = True):
+        """``threads``: OpenVINO's ``INFERENCE_NUM_THREADS`` (None: its own choice). ``pin_threads=False``
+        sets ``ENABLE_CPU_PINNING`` off: for a process whose other thread pool (torch's) shares the cores."""
         if precision not in _HINTS:
             raise ValueError(f"OpenVINO runs precision 'fp32' or 'bf16', not {precision!r}")
         if isinstance(model, (str, os.PathLike)):
@@ -65,6 +67,8 @@ class OpenVINOSession:
                         "NUM_STREAMS": 1}
         if threads:
             self._config["INFERENCE_NUM_THREADS"] = int(threads)
+        if not pin_threads:
+            self._config["ENABLE_CPU_PINNING"] = False
         self.precision = precision
         self._inputs = [_port(p) for p in self._model.inputs]
         self._outputs = [_port(p) for p in self._model.outputs]

@@ -97,8 +97,11 @@ class TorchSession:
         if backend == "onnxruntime" and precision == "fp32":
             self._session = ort.InferenceSession(model.SerializeToString(), sess_options=options,
                                                  providers=providers_for(self.device))
-        else:
-            self._session = backends.create_session(model.SerializeToString(), backend, precision, options)
+        else:  # OpenVINO's threads unpinned: torch's OpenMP workers share the cores and spin after each of
+            # torch's parallel ops (the optimizer's); a pinned thread waited out the spin on its core (the
+            # MLP's forward call right after the optimizer: about twice its time after a pause; docs/precision.md)
+            self._session = backends.create_session(model.SerializeToString(), backend, precision, options,
+                                                    pin_threads=False)
         self.input_names = [i.name for i in self._session.get_inputs()]
         # OpenVINO drops a graph input no node reads (a buffer the forward does not use, as Llama's
         # original_inv_freq): callers pass every graph input, and those are left out here.
