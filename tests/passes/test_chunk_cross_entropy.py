@@ -113,6 +113,53 @@ def test_all_targets_ignored_gives_nan_and_zero_gradients_as_pytorch():
     np.testing.assert_array_equal(dwt, want_dwt)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_no_rows_gives_pytorchs_loss_and_zero_gradients(reduction):
+    """An empty batch: the weight gradient's start is a [1, 1] zero that a block's product broadcasts, so one
+    block runs even with no rows (its products sum nothing); PyTorch: a NaN mean or a 0 sum, zero gradients."""
+    h, wt, _ = _batch(3, ignored=0, batch=0)
+    target = np.zeros(0, np.int64)
+    want_loss, want_dh, want_dwt = _torch_loss(h, wt, target, reduction)
+    from onnxtrain.autodiff import gradient_model
+
+    model = ir.from_proto(_loss_model(False, reduction))
+    cce.ChunkCrossEntropyPass(SMALL_BLOCK)(model)
+    feeds = {"h": h, "wt": wt, "target": target, "loss_grad": np.array(1.0, np.float32)}
+    loss, dh, dwt = _run(gradient_model(ir.to_proto(model), wrt=["h", "wt"]), feeds)[:3]
+    np.testing.assert_array_equal(loss, want_loss)  # NaN for the mean, as PyTorch
+    assert dh.shape == want_dh.shape and dwt.shape == want_dwt.shape
+    np.testing.assert_array_equal(dwt, want_dwt)
+
+
+def test_no_constant_of_the_weights_size_is_kept(tmp_path):
+    """The blocks' carried weight gradient starts from a [1, 1] zero, not zeros of the weight's shape, which
+    onnxruntime's constant folding made an initializer its session kept for good (GPT-2-small: 51.8 MB of
+    resting memory): the session onnxruntime optimizes holds no constant as large as the weight."""
+    from onnxtrain.autodiff import gradient_model
+    from onnxtrain.autodiff.engine import ir_version_for_onnxruntime
+
+    model = ir.from_proto(_loss_model(True))
+    cce.ChunkCrossEntropyPass(SMALL_BLOCK)(model)
+    grads = ir_version_for_onnxruntime(strip_stop_gradients(gradient_model(ir.to_proto(model), wrt=["h", "wt"])))
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(grads.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    optimized = onnx.load(str(tmp_path / "optimized.onnx"))
+
+    def constants(graph):
+        for t in graph.initializer:
+            yield t.name, int(np.prod(t.dims))
+        for node in graph.node:
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.TENSOR:
+                    yield node.name, int(np.prod(a.t.dims))
+                elif a.type == onnx.AttributeProto.GRAPH:
+                    yield from constants(a.g)
+
+    sizes = dict(constants(optimized.graph))
+    assert sizes and max(sizes.values()) < HIDDEN * VOCAB, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+
+
 def _stored_weight(proto: onnx.ModelProto) -> onnx.ModelProto:
     """The same loss with the weight as a Linear layer stores it: ``h @ Transpose(w)``, ``w``: [VOCAB, HIDDEN]."""
     proto = copy.deepcopy(proto)

@@ -11,8 +11,11 @@ replaces the loss with:
   (``coef``: 1 / the mean's divisor on rows not ignored, 0 on ignored rows) at once into the gradients of
   ``h_k`` and ``Wt`` (carried values); the one-hot part is added from ``[rows, hidden]`` values outside
   the blocks. Two vocabulary-sized values a block (``z`` and its softmax), each a fresh buffer every
-  block where onnxruntime runs without its arena. The loop's inputs go through ``StopGradient``:
-  autodiff does not see it;
+  block where onnxruntime runs without its arena. The carried weight gradient starts as a ``[1, 1]`` zero
+  that the first block's ``Gemm`` broadcasts (at least one block runs, even with no rows): zeros of the
+  weight's shape were folded by onnxruntime into an initializer its session held for good (GPT-2-small:
+  51.8 MB), and made at run time they stayed alive as the ``Loop``'s input until it ended. The loop's inputs
+  go through ``StopGradient``: autodiff does not see it;
 - a surrogate that gives the loss those gradients:
   ``loss = L + (S - StopGradient(S))`` with ``S = sum(h * G_h) + sum(Wt * G_Wt)`` and ``G_h``, ``G_Wt``
   (the loop's gradients) behind ``StopGradient``. ``S - S`` is exactly 0, so the value is ``L``; the
@@ -199,7 +202,9 @@ def _rewrite(graph: ir.Graph, loss_node: ir.Node, matmul: ir.Node, h, w, transpo
     h2 = _typed(b.op("Reshape", h, b.ints([-1, hidden])), h.dtype, [target.shape[0], hidden])
     n = b.op("Shape", target, start=0, end=1)  # [1]: the rows
     step = b.op("Max", b.op("Min", n, b.ints([rows])), b.ints([1]))  # rows a block: no more than there are
-    blocks = b.op("Div", b.op("Sub", b.op("Add", n, step), b.ints([1])), step)  # ceil(n / step)
+    # ceil(n / step), at least 1: the carried weight gradient starts as a [1, 1] zero that the first block's
+    # Gemm broadcasts, so a block must run (with no rows, its Gemm sums nothing: zeros of the weight's shape)
+    blocks = b.op("Max", b.op("Div", b.op("Sub", b.op("Add", n, step), b.ints([1])), step), b.ints([1]))
     target64 = target if target.dtype == ir.DataType.INT64 else b.op("Cast", target, to=ir.DataType.INT64)
     if ignore_index is not None:
         kept = b.op("Not", b.op("Equal", target64, b.ints([ignore_index])))
@@ -220,7 +225,7 @@ def _rewrite(graph: ir.Graph, loss_node: ir.Node, matmul: ir.Node, h, w, transpo
     body = _body(b.nodes[-1].name, h2, w, transposed, read[0] if read else None)
     loss_sum, softmax_grad_w, grad_h, *_ = b.op(
         "Loop", b.op("Squeeze", blocks, b.ints([0])), None, b.const(np.array(0, dtype)),
-        b.op("ConstantOfShape", b.ints(list(w.shape)), value=ir.tensor(np.zeros(1, dtype))), grad_h0,
+        b.const(np.zeros((1, 1), dtype)), grad_h0,
         step, safe, weight, coef, body=ir.AttrGraph("body", body), outputs=7)
     grad_w = add_one_hot(softmax_grad_w)
     _typed(grad_h, h.dtype, h2.shape)
@@ -304,7 +309,7 @@ def _body(name: str, h2, w, transposed: bool, scores) -> ir.Graph:
     i = ir.Value(name="i", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
     cond = ir.Value(name="cond", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
     loss_in = _typed(ir.Value(name="loss_in"), dtype, [])
-    grad_w_in = _typed(ir.Value(name="grad_w_in"), dtype, w.shape)
+    grad_w_in = _typed(ir.Value(name="grad_w_in"), dtype, [None, None])  # [1, 1] in the first block
     grad_h_in = _typed(ir.Value(name="grad_h_in"), dtype, h2.shape)
     step = _typed(ir.Value(name="step"), ir.DataType.INT64, [1])
     target = _typed(ir.Value(name="target"), ir.DataType.INT64, [h2.shape[0]])
