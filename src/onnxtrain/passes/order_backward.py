@@ -26,15 +26,20 @@ indices, last in that order). ONNX has no control edges, so this pass adds a dat
   ``Reshape`` gradients' ``Shape`` (the query, key and value projections of every layer, each in up to
   three layouts), and activation memory fell 374 -> 294 MB at budget 0.5 and 334 -> 262 MB at 0 without;
 - the graph is then sorted again, stably (``ir.Graph.sort``): a root moves after its anchor's input;
-- where the anchor's gradient input ``g`` is made by a product from smaller gradients only (each with fewer
-  elements: GELU's incoming gradient ``dy = dout @ W^T`` is 4x its ``dout`` in a transformer's MLP), the free
-  work waits one step earlier, for the product's latest gradient input, and the product waits for the free
-  work's value that the anchor reads (a gate on its input; the product, read by nothing but the anchor,
-  moves to just before it). So the free work runs with the small input alive instead of the large one: on
-  BERT-small at 4x batch the step peaked at a layer's GELU gradient, whose slope's temporaries (two beside
-  ``x``) were alive beside ``dy``; made first, they are not (modelled peak at budget 0 112.5 -> 96.5 MiB;
-  measured activation memory 292 -> 276 / 208 -> 192 / 128 -> 124 MB at budgets 0.75 / 0.5 / 0.25,
-  docs/memory.md). The rule is skipped where the free work itself waits for something the product makes.
+- where a backward node that reads free work's value ``f`` also reads a gradient ``g`` made by a product
+  from smaller gradients only (each with fewer elements: GELU's incoming gradient ``dy = dout @ W^T`` is 4x
+  its ``dout`` in a transformer's MLP, attention's probabilities' gradient ``dctx @ v^T`` 2x its ``dctx``),
+  and that product is read by nothing else, the product waits: for ``f``, and for the backward nodes
+  between it and its reader (in graph order) that read free work's values and make values smaller than
+  ``g`` (attention's value gradient, ``probs^T @ dctx``, the last reader of the recomputed probabilities); it
+  moves to just before its reader. Free work gated on that reader waits for the product's input instead.
+  So the free work runs, and the values it made are read for the last time, before the wide gradient
+  exists. On BERT-small at 4x batch the step peaked at a layer's GELU gradient, the slope's temporaries
+  beside ``dy``, then at the attention's ``Where`` gradient (onnxruntime's ``Where`` kernel allocates two
+  temporaries of its output's size) beside the recomputed probabilities, which the fused value-gradient
+  product (a new node index, run last among the ready ones) kept alive: activation memory at budget 0
+  112 -> 104 MB (docs/memory.md). Skipped where the free work itself waits for something the product makes,
+  or makes the product's input.
 
 Gradients are unchanged (a gate is an identity on values; autodiff ran before). Where an anchor is not found
 (free work that reads nothing seeded down to a graph output), its roots are left as they are.
@@ -43,6 +48,7 @@ Gradients are unchanged (a gate is an identity on values; autodiff ran before). 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
@@ -108,71 +114,90 @@ class OrderBackwardPass(ir.passes.InPlacePass):
             if not after:
                 continue
             roots[node] = (x, max(after, key=lambda v: position.get(v.producer(), -1)))
-        waits = _before_widening_products(roots, anchors, is_free, seeded, set(self.seeds), position)
+        waits = _before_widening_products(nodes, roots, anchors, is_free, seeded, set(self.seeds), position)
         gates: dict[ir.Value, ir.Value] = {}  # value waited for -> its empty INT64 tensor
         for node, (x, g) in roots.items():
             if g not in gates:
                 gates[g] = _empty_from(graph, node, g)
-            node.replace_input_with(list(node.inputs).index(x), _gate(graph, node, x, gates[g], self.gated))
+            node.replace_input_with(list(node.inputs).index(x), _gate(graph, node, x, [gates[g]], self.gated))
             self.gated += 1
         self.hoisted = _hoist(graph, shapes)
         if not self.gated and not self.hoisted and not waits:
             return ir.passes.PassResult(model, modified=False)
         graph.sort()
-        for product, small, made, anchor in waits:  # after the sort, which would move more than the product
+        for wait in waits:  # after the sort, which would move more than the product
+            product = wait.product
             graph.remove(product)
-            graph.insert_before(anchor, product)
-            empty = _empty_from(graph, product, made)
-            product.replace_input_with(list(product.inputs).index(small), _gate(graph, product, small, empty, self.gated))
+            graph.insert_before(wait.reader, product)
+            empties = [_empty_from(graph, product, v) for v in wait.until]
+            index = list(product.inputs).index(wait.small)
+            product.replace_input_with(index, _gate(graph, product, wait.small, empties, self.gated))
             self.gated += 1
         self.products_delayed = len(waits)
         return ir.passes.PassResult(model, modified=True)
 
 
-def _before_widening_products(roots: dict[ir.Node, tuple[ir.Value, ir.Value]], anchors: dict[ir.Node, ir.Node],
-                              is_free: set[ir.Node], seeded: set[ir.Value], seeds: set[ir.Value],
-                              position: dict[ir.Node, int]) -> list[tuple[ir.Node, ir.Value, ir.Value, ir.Node]]:
-    """Free work that waits for a gradient made by a product from smaller gradients runs before that product
-    instead (see the module docstring). Changes ``roots`` in place; returns ``(product, its input to gate,
-    the free value it then waits for)`` per product."""
-    by_anchor: dict[ir.Node, list[ir.Node]] = {anchor: [] for anchor in anchors.values()}
-    for root in roots:
-        by_anchor[anchors[root]].append(root)
-    waits: list[tuple[ir.Node, ir.Value, ir.Value, ir.Node]] = []
+def _before_widening_products(nodes: list[ir.Node], roots: dict[ir.Node, tuple[ir.Value, ir.Value]],
+                              anchors: dict[ir.Node, ir.Node], is_free: set[ir.Node], seeded: set[ir.Value],
+                              seeds: set[ir.Value], position: dict[ir.Node, int]) -> list[_Wait]:
+    """The products that wait (see the module docstring), per backward node ``reader`` that reads a free value
+    and a gradient made by a product from smaller gradients only. Changes ``roots`` in place: the reader's own
+    free work waits for the product's input instead of its output."""
+    waits: list[_Wait] = []
     delayed: set[ir.Node] = set()
-    for anchor in sorted(by_anchor, key=lambda n: position.get(n, -1)):
-        after = [v for v in anchor.inputs if v in seeded]
-        made = [v for v in anchor.inputs if v is not None and v.producer() in is_free]
-        if not after or not made:
+    for reader in nodes:
+        if reader in is_free or not any(v in seeded for v in reader.inputs if v is not None):
             continue
-        g = max(after, key=lambda v: position.get(v.producer(), -1))
+        made = [v for v in reader.inputs if v is not None and v.producer() in is_free]
+        if not made:
+            continue
+        g = max((v for v in reader.inputs if v in seeded), key=lambda v: position.get(v.producer(), -1))
         product = g.producer()
-        if g in seeds or product is None or product in delayed:
+        if g in seeds or product is None or product in delayed or product not in position:
             continue
-        if any(reader is not anchor for out in product.outputs for reader, _ in out.uses()):
-            continue  # moved to just before the anchor, it must be read by nothing else
+        if any(r is not reader for out in product.outputs for r, _ in out.uses()):
+            continue  # moved to just before its reader, it must be read by nothing else
         smaller = [v for v in product.inputs if v in seeded]
         if not smaller or not all(_fewer_elements(v, g) for v in smaller):
             continue
-        f = max(made, key=lambda v: position.get(v.producer(), -1))
         earlier = max(smaller, key=lambda v: position.get(v.producer(), -1))
-        work = _free_ancestry(f, is_free)
-        if work & ancestors([earlier]):
+        later = _descendants(product) | {product}
+        # the backward nodes between the product and its reader that read free values (a recomputed value's
+        # last reader, e.g. attention's value gradient reading the recomputed probabilities): they run first,
+        # so that what they read is freed before the product makes its output
+        between = [n for n in nodes[position[product] + 1:position[reader]]
+                   if n not in is_free and n not in later and any(v in seeded for v in n.inputs if v is not None)
+                   and any(v is not None and v.producer() in is_free for v in n.inputs)
+                   and all(_fewer_elements(o, g) for o in n.outputs)]
+        f = max(made, key=lambda v: position.get(v.producer(), -1))
+        own = [r for r, a in anchors.items() if a is reader and r in roots]
+        work = _free_ancestry([f, *(v for n in between for v in n.inputs if v is not None)], is_free)
+        if own and _free_ancestry([f], is_free) & ancestors([earlier]):
             continue  # the product's input is made from that free work: it cannot wait for it
-        later = _descendants(product)
-        if any(roots[r][1].producer() in later for r in work if r in roots and anchors[r] is not anchor):
+        if any(roots[r][1].producer() in later for r in work if r in roots and r not in own):
             continue  # that free work waits for something the product makes: it cannot run before it
-        for root in by_anchor[anchor]:
+        for root in own:
             roots[root] = (roots[root][0], earlier)
-        waits.append((product, earlier, f, anchor))
+        waits.append(_Wait(product, earlier, [f, *(n.outputs[0] for n in between)], reader))
         delayed.add(product)
     return waits
 
 
-def _free_ancestry(value: ir.Value, is_free: set[ir.Node]) -> set[ir.Node]:
-    """The free nodes ``value`` is made from (its producer included)."""
+@dataclass
+class _Wait:
+    """``product`` waits for the values ``until`` (its input ``small`` gated) and moves to just before
+    ``reader``, the one node that reads it."""
+
+    product: ir.Node
+    small: ir.Value
+    until: list[ir.Value]
+    reader: ir.Node
+
+
+def _free_ancestry(values: list[ir.Value], is_free: set[ir.Node]) -> set[ir.Node]:
+    """The free nodes ``values`` are made from (their producers included)."""
     found: set[ir.Node] = set()
-    stack = [value.producer()]
+    stack = [v.producer() for v in values]
     while stack:
         node = stack.pop()
         if node is None or node in found or node not in is_free:
@@ -279,12 +304,12 @@ def _empty_from(graph: ir.Graph, root: ir.Node, g: ir.Value) -> ir.Value:
     return _add(graph, root, name, "Cast", [empty], ir.DataType.INT64, [0], to=ir.DataType.INT64)
 
 
-def _gate(graph: ir.Graph, root: ir.Node, x: ir.Value, empty: ir.Value, k: int) -> ir.Value:
-    """``x`` again, made only once ``empty`` is (see the module docstring); ``k`` numbers the gates."""
+def _gate(graph: ir.Graph, root: ir.Node, x: ir.Value, empties: Sequence[ir.Value], k: int) -> ir.Value:
+    """``x`` again, made only once each of ``empties`` is (see the module docstring); ``k`` numbers the gates."""
     name = f"{x.name or 'value'}/gate_{k}"
     rank = None if x.shape is None else len(x.shape)
     shape = _add(graph, root, f"{name}/shape", "Shape", [x], ir.DataType.INT64, [rank])
-    target = _add(graph, root, f"{name}/target", "Concat", [shape, empty], ir.DataType.INT64, [rank], axis=0)
+    target = _add(graph, root, f"{name}/target", "Concat", [shape, *empties], ir.DataType.INT64, [rank], axis=0)
     gated = _add(graph, root, name, "Reshape", [x, target], x.dtype, None)
     gated.shape = x.shape
     return gated
