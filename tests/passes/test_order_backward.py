@@ -35,13 +35,18 @@ def _joint_graph(flatten: bool = False) -> tuple[ir.Model, ir.Value]:
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
                                            helper.make_tensor_value_info("W", TensorProto.FLOAT, [4, 3])],
                               [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return _with_gradients(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), ["W"])
+
+
+def _with_gradients(proto: onnx.ModelProto, names: list[str]) -> tuple[ir.Model, ir.Value]:
+    """The joint graph: ``proto`` (shapes inferred) and the gradients of its inputs after the first (named
+    ``names``) from a seed constant of 1, and that seed."""
     model = ir.from_proto(onnx.shape_inference.infer_shapes(proto))
     seed_node = ir.node("Constant", [], attributes={"value": ir.tensor(np.ones((), np.float32))}, name="seed")
     seed = seed_node.outputs[0]
     seed.name, seed.type, seed.shape = "seed", ir.TensorType(ir.DataType.FLOAT), ir.Shape([])
     model.graph.append(seed_node)
-    add_gradient_outputs(model, [model.graph.inputs[1]], [model.graph.outputs[0]], seeds=[seed], names=["W"])
+    add_gradient_outputs(model, list(model.graph.inputs[1:]), [model.graph.outputs[0]], seeds=[seed], names=names)
     return model, seed
 
 
@@ -131,29 +136,25 @@ def test_a_shape_read_by_backward_is_taken_in_forward_not_gated():
     _same_outputs_and_numpy_gradient(result.model, x, w, before)
 
 
-def _mlp_graph(width: int) -> tuple[ir.Model, ir.Value]:
+def _mlp_graph(width: int, batched_second: bool = False) -> tuple[ir.Model, ir.Value]:
     """loss = sum(y * y), y = Gelu(x @ W1) @ W2 with x: [batch, 4], W1: [4, width], W2: [width, 4]. Backward
     makes the GELU's incoming gradient ``dy = dout @ W2^T`` ([batch, width], from the [batch, 4] ``dout``) and
-    its slope, which reads only the forward value ``x @ W1``."""
+    its slope, which reads only the forward value ``x @ W1``. ``batched_second``: x is [batch, 4, 4] and the
+    second operand ``V`` a batch of [width, 2] matrices, whose gradient ``Gelu(...)^T @ dout`` reads the
+    forward value and is smaller than ``dy``."""
     f = TensorProto.FLOAT
+    second = "V" if batched_second else "W2"
     nodes = [helper.make_node("MatMul", ["x", "W1"], ["z"], name="up"),
              helper.make_node("Gelu", ["z"], ["a"], name="gelu"),
-             helper.make_node("MatMul", ["a", "W2"], ["y"], name="down"),
+             helper.make_node("MatMul", ["a", second], ["y"], name="down"),
              helper.make_node("Mul", ["y", "y"], ["y2"], name="square"),
              helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0, name="sum")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, ["batch", 4]),
-                                           helper.make_tensor_value_info("W1", f, [4, width]),
-                                           helper.make_tensor_value_info("W2", f, [width, 4])],
+    shapes = ([["batch", 4, 4], [4, width], ["batch", width, 2]] if batched_second
+              else [["batch", 4], [4, width], [width, 4]])
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(name, f, shape)
+                                           for name, shape in zip(["x", "W1", second], shapes)],
                               [helper.make_tensor_value_info("loss", f, [])])
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
-    model = ir.from_proto(onnx.shape_inference.infer_shapes(proto))
-    seed_node = ir.node("Constant", [], attributes={"value": ir.tensor(np.ones((), np.float32))}, name="seed")
-    seed = seed_node.outputs[0]
-    seed.name, seed.type, seed.shape = "seed", ir.TensorType(ir.DataType.FLOAT), ir.Shape([])
-    model.graph.append(seed_node)
-    add_gradient_outputs(model, list(model.graph.inputs[1:]), [model.graph.outputs[0]], seeds=[seed],
-                         names=["W1", "W2"])
-    return model, seed
+    return _with_gradients(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), ["W1", second])
 
 
 def _gelu_gradient(model: ir.Model) -> tuple[ir.Node, ir.Node]:
@@ -225,24 +226,7 @@ def test_a_product_also_waits_for_the_gradients_between_it_and_its_reader_that_r
     the fused product last: 112 -> 104 MB measured, docs/memory.md)."""
     import torch
 
-    f = TensorProto.FLOAT
-    nodes = [helper.make_node("MatMul", ["x", "W1"], ["z"], name="up"),
-             helper.make_node("Gelu", ["z"], ["a"], name="gelu"),
-             helper.make_node("MatMul", ["a", "V"], ["y"], name="down"),
-             helper.make_node("Mul", ["y", "y"], ["y2"], name="square"),
-             helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0, name="sum")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, ["batch", 4, 4]),
-                                           helper.make_tensor_value_info("W1", f, [4, 16]),
-                                           helper.make_tensor_value_info("V", f, ["batch", 16, 2])],
-                              [helper.make_tensor_value_info("loss", f, [])])
-    model = ir.from_proto(onnx.shape_inference.infer_shapes(
-        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])))
-    seed_node = ir.node("Constant", [], attributes={"value": ir.tensor(np.ones((), np.float32))}, name="seed")
-    seed = seed_node.outputs[0]
-    seed.name, seed.type, seed.shape = "seed", ir.TensorType(ir.DataType.FLOAT), ir.Shape([])
-    model.graph.append(seed_node)
-    add_gradient_outputs(model, list(model.graph.inputs[1:]), [model.graph.outputs[0]], seeds=[seed],
-                         names=["W1", "V"])
+    model, seed = _mlp_graph(width=16, batched_second=True)
     (value_gradient,) = [o.producer() for o in model.graph.outputs if o.name == "V_grad"]
 
     step = OrderBackwardPass(1, [seed])
