@@ -145,6 +145,7 @@ def _before_widening_products(nodes: list[ir.Node], roots: dict[ir.Node, tuple[i
     free work waits for the product's input instead of its output."""
     waits: list[_Wait] = []
     delayed: set[ir.Node] = set()
+    planned = {root: [g] for root, (_, g) in roots.items()}  # node -> the values its gate will wait for
     for reader in nodes:
         if reader in is_free or not any(v in seeded for v in reader.inputs if v is not None):
             continue
@@ -170,17 +171,37 @@ def _before_widening_products(nodes: list[ir.Node], roots: dict[ir.Node, tuple[i
                    and any(v is not None and v.producer() in is_free for v in n.inputs)
                    and all(_fewer_elements(o, g) for o in n.outputs)]
         f = max(made, key=lambda v: position.get(v.producer(), -1))
+        until = [f, *(n.outputs[0] for n in between)]
         own = [r for r, a in anchors.items() if a is reader and r in roots]
-        work = _free_ancestry([f, *(v for n in between for v in n.inputs if v is not None)], is_free)
-        if own and _free_ancestry([f], is_free) & ancestors([earlier]):
-            continue  # the product's input is made from that free work: it cannot wait for it
-        if any(roots[r][1].producer() in later for r in work if r in roots and r not in own):
-            continue  # that free work waits for something the product makes: it cannot run before it
+        # no cycle, with the gates planned so far: the product's input must not be made from the reader's own
+        # free work, and nothing the product waits for may depend on the product
+        if any(_depends(earlier.producer(), r, planned) for r in own):
+            continue
+        trial = {**planned, **{r: [earlier] for r in own}, product: until}
+        if any(_depends(v.producer(), product, trial) for v in until):
+            continue
+        planned = trial
         for root in own:
             roots[root] = (roots[root][0], earlier)
-        waits.append(_Wait(product, earlier, [f, *(n.outputs[0] for n in between)], reader))
+        waits.append(_Wait(product, earlier, until, reader))
         delayed.add(product)
     return waits
+
+
+def _depends(node: ir.Node | None, target: ir.Node, planned: dict[ir.Node, list[ir.Value]]) -> bool:
+    """Whether ``node`` is made from ``target``'s outputs, counting the gates planned (``planned``: node ->
+    the values it will wait for)."""
+    seen: set[ir.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        if n is target:
+            return True
+        seen.add(n)
+        stack.extend(v.producer() for v in (*n.inputs, *planned.get(n, ())) if v is not None)
+    return False
 
 
 @dataclass
@@ -192,19 +213,6 @@ class _Wait:
     small: ir.Value
     until: list[ir.Value]
     reader: ir.Node
-
-
-def _free_ancestry(values: list[ir.Value], is_free: set[ir.Node]) -> set[ir.Node]:
-    """The free nodes ``values`` are made from (their producers included)."""
-    found: set[ir.Node] = set()
-    stack = [v.producer() for v in values]
-    while stack:
-        node = stack.pop()
-        if node is None or node in found or node not in is_free:
-            continue
-        found.add(node)
-        stack.extend(v.producer() for v in node.inputs if v is not None)
-    return found
 
 
 def _descendants(node: ir.Node) -> set[ir.Node]:
