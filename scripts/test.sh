@@ -38,7 +38,7 @@ if ! "$NEWEST_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__
     rm -rf "$NEWEST_VENV"
     python -m venv "$NEWEST_VENV"
 fi
-"$NEWEST_VENV/bin/python" -m pip install -q "torch==$NEWEST_TORCH" -e ".[hf]" "pytest>=8" "psutil>=5" "expecttest>=0.2"
+"$NEWEST_VENV/bin/python" -m pip install -q "torch==$NEWEST_TORCH" -e ".[hf,openvino]" "pytest>=8" "psutil>=5" "expecttest>=0.2"
 NEWEST_TESTS=(tests/ortmodule/test_parity.py tests/ortmodule/test_trust.py tests/ortmodule/test_moe.py)
 if [ -d tests/opinfo ]; then NEWEST_TESTS+=(tests/opinfo); fi
 PYTHONPATH="$PWD/src" "$NEWEST_VENV/bin/python" -m pytest -p no:cacheprovider "${NEWEST_TESTS[@]}"
@@ -53,8 +53,11 @@ echo "== tier: distributed (two processes on CPU: ORTModule in DeepSpeed ZeRO-1/
 # deepspeed comes with .[test]; its CPU accelerator JIT-builds one op (cached in ~/.cache/torch_extensions).
 DS_ACCELERATOR=cpu timeout 1800 python -m pytest -m distributed tests/distributed
 
-echo "== tier: families (30 transformers model families through ORTModule against eager, both ends of torch)"
+echo "== tier: families (30 transformers model families through ORTModule against eager, float32 and autocast bf16, both ends of torch)"
 # tests/ortmodule/test_families.py: two training steps each, losses and every gradient against PyTorch;
-# about 1.5 minutes per interpreter here (11-14 loaded). The newest torch's venv was made by its tier above.
-python -m pytest -m families tests/ortmodule/test_families.py
-PYTHONPATH="$PWD/src" "$NEWEST_VENV/bin/python" -m pytest -p no:cacheprovider -m families tests/ortmodule/test_families.py
+# about 1.5 minutes per interpreter here (11-14 loaded). tests/ortmodule/test_families_bf16.py: the same families
+# under autocast bf16 (OpenVINO), gradients against float64 beside eager autocast's: 3.9 minutes on torch 2.13
+# at load 8 (it needs onnxtrain[openvino], installed in both venvs). The newest torch's venv was made by its tier above.
+FAMILIES_TESTS=(tests/ortmodule/test_families.py tests/ortmodule/test_families_bf16.py)
+python -m pytest -m families "${FAMILIES_TESTS[@]}"
+PYTHONPATH="$PWD/src" "$NEWEST_VENV/bin/python" -m pytest -p no:cacheprovider -m families "${FAMILIES_TESTS[@]}"

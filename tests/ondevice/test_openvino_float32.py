@@ -199,3 +199,23 @@ def test_a_log_sum_exp_seeds_the_loss_region():
     ]
     assert float32_region(graph) == {"m", "d", "e", "s", "lse", "p", "grad_in"}
     assert float32_region([n for n in graph if n[0] != "m"] + [("m", "ReduceMean", True, ["logits", "axes"])]) == set()
+
+
+def test_a_log_sigmoid_seeds_the_loss_region():
+    """Binary cross-entropy with logits as exported, ``(1 - y) * x - Log(Sigmoid(x))``, and its gradient: the
+    region, as autocast computes that loss; a Log of anything else seeds nothing."""
+    graph = [
+        ("x", "Parameter", True, []),
+        ("w", "Parameter", True, []),
+        ("y", "Parameter", True, []),
+        ("logits", "MatMul", True, ["x", "w"]),
+        ("sig", "Sigmoid", True, ["logits"]),
+        ("logsig", "Log", True, ["sig"]),
+        ("keep", "Multiply", True, ["y", "logits"]),
+        ("loss", "Subtract", True, ["keep", "logsig"]),
+        ("dlogits", "Subtract", True, ["sig", "y"]),
+        ("dx", "MatMul", True, ["dlogits", "w"]),
+        ("other", "Log", True, ["dx"]),
+    ]
+    assert float32_region(graph) == {"sig", "logsig", "keep", "loss", "dlogits"}
+    assert float32_region([n for n in graph if n[1] != "Sigmoid"] + [("sig", "Tanh", True, ["logits"])]) == set()

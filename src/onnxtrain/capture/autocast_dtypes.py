@@ -22,9 +22,11 @@ The same run says what the backend's precision cannot follow (:class:`AutocastRu
   the float32 graph is traced with autocast off, where the same read returns False, so the graph would
   hold the other branch.
 
-A forward that fake tensors cannot run (it reads a tensor's value: ``.item()``, a data-dependent branch)
-raises :class:`AutocastDtypeError`; ORTModule then returns the graph's float32 outputs, as before, and says
-why once.
+An op whose output size depends on values (``nonzero``, boolean indexing) gets a symbolic size (the fake mode
+has a shape environment). A forward that fake tensors still cannot run (it branches on a tensor's value, or
+an op has no fake kernel for these dtypes: Hugging Face Mixtral's grouped matmul of float32 weights) raises
+:class:`AutocastDtypeError`; ORTModule then falls back under bf16, where every product would be lowered
+unchecked, and elsewhere returns the graph's float32 outputs and says why once.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ def autocast_run(module: torch.nn.Module, args: tuple, kwargs: dict) -> Autocast
     its reads of the autocast state. Neither the module's parameters and buffers nor the RNG change: the
     forward runs on fake copies (the caller still restores buffers, as around export)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     cache = torch.is_autocast_cache_enabled()
     # Autocast caches its casts of parameters for the rest of the caller's region: fake casts must not stay
@@ -128,9 +131,12 @@ def autocast_run(module: torch.nn.Module, args: tuple, kwargs: dict) -> Autocast
     torch.set_autocast_cache_enabled(False)
     run = AutocastRun([])
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, _Products(run.products), _StateReads(run.reads):
+        # A shape environment lets an op whose output size depends on values (nonzero, boolean indexing: ELECTRA's
+        # loss over the unmasked tokens) return a symbolic size instead of failing the run.
+        with (FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()) as mode, _Products(run.products),
+              _StateReads(run.reads)):
             flat, spec = flatten((tuple(args), dict(kwargs)))
-            fake_args, fake_kwargs = unflatten([mode.from_tensor(t) for t in flat], spec)
+            fake_args, fake_kwargs = unflatten([mode.from_tensor(t, static_shapes=True) for t in flat], spec)
             out = module(*fake_args, **fake_kwargs)
             run.dtypes = [t.dtype for t in flatten(out, "output")[0]]
             return run

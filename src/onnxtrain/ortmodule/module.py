@@ -431,6 +431,10 @@ def _output_casts(module: torch.nn.Module, args, kwargs, captured, kind: str,
             run = autocast_run(module, args, kwargs)
     except AutocastDtypeError as exc:
         reason = f"its forward does not run on fake tensors ({exc})"
+        if precision == "bf16":  # OpenVINO lowers every product: one eager keeps float32 would go unseen
+            raise AutocastPolicyError(
+                f"under torch.autocast({kind!r}, dtype=torch.bfloat16) {type(module).__name__}'s products cannot "
+                f"be checked against autocast's types ({reason}), and the bf16 graphs lower them all") from exc
     else:
         _check_policy(module, run, kind, precision)
         if len(run.dtypes) == captured.num_outputs:

@@ -11,7 +11,8 @@ float32.
 The policy (:func:`float32_region`, a function of the graph alone), ``ONNXTRAIN_OPENVINO_FLOAT32=sums``, the
 default (``loss`` is the same without the row sums below): the **loss region** is kept in float32: starting from ``LogSoftmax`` and from an ``Exp`` that reads a
 log-softmax, a graph input (the cross-entropy's gradient is ``Exp`` of the saved log-probabilities) or ``x -
-ReduceMax(x)`` (a log-softmax written as a log-sum-exp, :mod:`onnxtrain.passes.log_sum_exp_loss`), every
+ReduceMax(x)`` (a log-softmax written as a log-sum-exp, :mod:`onnxtrain.passes.log_sum_exp_loss`), and from a
+``Log`` of a ``Sigmoid`` (binary cross-entropy with logits), every
 float32 op connected to them, in either direction, without crossing a product or a non-float op. The
 products themselves still run in bfloat16 (their inputs are cast down at the region's edge). Not seeds:
 scatters (BERT's gradient of its first-token select is one, and from it the region ran through the whole
@@ -42,10 +43,15 @@ from collections.abc import Iterable
 
 PRODUCTS = frozenset({"MatMul", "Convolution", "ConvolutionBackpropData", "GroupConvolution",
                       "GroupConvolutionBackpropData", "Einsum"})
-LOSS_SEEDS = frozenset({"LogSoftmax", "Exp"})
+LOSS_SEEDS = frozenset({"LogSoftmax", "Exp", "Log"})
 # An Exp seeds the region only when it reads a LogSoftmax or a graph input (the saved log-probabilities in a
 # backward graph): GELU's gradient has an Exp too, and from it the region took in every layer's GELU.
 _EXP_SOURCES = frozenset({"LogSoftmax", "Parameter"})
+# A Log seeds the region only as a log-sigmoid, Log(Sigmoid(x)): binary cross-entropy with logits, as exported
+# (autocast keeps it float32). ELECTRA's discriminator head: its gradients 1.5-2.3x further from float64 than
+# autocast's overall (the head's bias 3.6x) with the loss's gradient in bfloat16; 0.97-1.10x float32
+# (tests/ortmodule/test_families_bf16.py).
+_LOG_SOURCES = frozenset({"Sigmoid"})
 # Running sums: the plugin's bfloat16 CumSum rounds each partial sum, so its error grows with the axis (torch's
 # bfloat16 cumsum accumulates in float32 and rounds each output once). A cumsum over 512 features mid-graph: the
 # gradients under it 38-74x further from float64 than eager autocast's, a logcumsumexp's 130-150x; 1.0-1.1x kept
@@ -82,8 +88,10 @@ def float32_region(nodes: Iterable[tuple[str, str, bool, list[str]]], seeds=LOSS
     types = {name: op_type for name, op_type, _, _ in nodes}
     reads = {name: sources for name, _, _, sources in nodes}
     todo = [name for name, op_type, _, sources in nodes if name in inside and op_type in seeds
-            and (op_type != "Exp" or all(types.get(source) in _EXP_SOURCES for source in sources)
-                 or _log_sum_exp(sources, types, reads))]
+            and (op_type == "LogSoftmax"
+                 or op_type == "Log" and all(types.get(source) in _LOG_SOURCES for source in sources)
+                 or op_type == "Exp" and (all(types.get(source) in _EXP_SOURCES for source in sources)
+                                          or _log_sum_exp(sources, types, reads)))]
     region = set(todo)
     while todo:
         for other in neighbours[todo.pop()] - region:
