@@ -56,8 +56,8 @@ DS_ACCELERATOR=cpu timeout 1800 python -m pytest -m distributed tests/distribute
 echo "== tier: families (30 transformers model families through ORTModule against eager, float32 and autocast bf16, both ends of torch)"
 # tests/ortmodule/test_families.py: two training steps each, losses and every gradient against PyTorch;
 # about 1.5 minutes per interpreter here (11-14 loaded). tests/ortmodule/test_families_bf16.py: the same families
-# under autocast bf16 (OpenVINO), gradients against float64 beside eager autocast's: 3.9 minutes on torch 2.13
-# at load 8 (it needs onnxtrain[openvino], installed in both venvs). The newest torch's venv was made by its tier above.
+# under autocast bf16 (OpenVINO), gradients against float64 beside eager autocast's: 3.9 minutes on torch 2.13,
+# 7.9 on 2.15, at load 8 (it needs onnxtrain[openvino], in both venvs). The newest torch's venv: its tier above.
 FAMILIES_TESTS=(tests/ortmodule/test_families.py tests/ortmodule/test_families_bf16.py)
 python -m pytest -m families "${FAMILIES_TESTS[@]}"
 PYTHONPATH="$PWD/src" "$NEWEST_VENV/bin/python" -m pytest -p no:cacheprovider -m families "${FAMILIES_TESTS[@]}"

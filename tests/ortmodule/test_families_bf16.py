@@ -22,13 +22,15 @@ Why several batches: in a family with ReLU (OPT) a gradient's error on one batch
 pre-activations whose sign the rounding flips, each passing a whole entry of the output gradient; the ratio on
 a single batch ranged 0.45-4.8 over 8 batches for OPT, and 1.06 summed over them (docs/precision.md).
 
-A family that cannot run in the graph under bf16 must fall back with the reason in ``FALLS_BACK``.
+A family that cannot run in the graph under bf16 must fall back with the reason in ``FALLS_BACK``. About 4
+minutes on torch 2.13 and 8 on 2.15, loaded (load average 8).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import re
 import warnings
 
 import pytest
@@ -52,17 +54,17 @@ OVERALL_RATIO = 1.5
 SCALE_FLOOR = 1e-2  # of the model's largest float64 gradient norm: the least a gradient's error is relative to
 FLOOR = 1e-3  # error differences below this (relative to that scale) are rounding noise on both sides
 
-#: family -> what its fallback reason must say, under autocast bf16
+#: family -> what its fallback reason must say (a regular expression), under autocast bf16
 FALLS_BACK = {
     **FLOAT32_FALLS_BACK,
-    # its scaled_dot_product_attention runs PyTorch's math kernel, whose products are float32 on CPU under
-    # autocast (Swin: its attention's float32 products too); the graph's would be bfloat16 on OpenVINO
+    # its attention's products run float32 in eager (torch 2.13: scaled_dot_product_attention's math kernel on
+    # CPU); the graph's would be bfloat16 on OpenVINO. On torch 2.15 Falcon's do not, and it runs (below).
     "falcon": "products that autocast does not lower",
     "swin": "products that autocast does not lower",
-    # its experts' grouped matmul does not run on fake tensors under autocast, so the products eager keeps
-    # float32 (the experts: grouped_mm of float32 weights) cannot be found; run bf16 they were 20x further from
-    # float64 than eager autocast's (down_proj)
-    "mixtral": "products cannot be checked",
+    # its experts' grouped matmul runs float32 in eager (the input cast to the float32 weights' type); bf16 on
+    # OpenVINO their gradients were 20x further from float64 than eager autocast's (down_proj). torch 2.13 has
+    # no fake kernel for it in float32, so the products cannot be checked at all there.
+    "mixtral": "products (that autocast does not lower|cannot be checked)",
     # OpenVINO's CPU plugin compiles no convolution with a kernel of dynamic size: a weight gradient's
     "resnet": "kernel of dynamic size",
     "vit": "kernel of dynamic size",
@@ -70,6 +72,10 @@ FALLS_BACK = {
     # OpenVINO's CPU plugin refuses the fused graph on its first call (a Squeeze of dynamic rank)
     "mbart": "OpenVINO cannot compile",
 }
+
+
+#: families that fall back on torch older than the given version only (measured on 2.13 and 2.15)
+FALLS_BACK_BEFORE = {"falcon": (2, 15)}
 
 
 def _gradients(model, batch, bf16: bool, double: bool = False):
@@ -117,14 +123,16 @@ def _errors(family):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_under_autocast_bf16_is_as_close_to_float64_as_eager_autocast(family, monkeypatch):
-    if family in FALLS_BACK:
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if family in FALLS_BACK and version < FALLS_BACK_BEFORE.get(family, (99, 0)):
         monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
         model = _model(family)
         ort = ORTModule(copy.deepcopy(model))
         with warnings.catch_warnings(record=True) as caught, torch.autocast("cpu", dtype=torch.bfloat16):
             warnings.simplefilter("always")
             ort(**_batch(model, 0))
-        assert ort.fallback_reason is not None and FALLS_BACK[family] in ort.fallback_reason, ort.fallback_reason
+        assert ort.fallback_reason is not None and re.search(FALLS_BACK[family], ort.fallback_reason), \
+            ort.fallback_reason
         assert any("falls back to PyTorch" in str(w.message) for w in caught)
         return
     sq, losses = _errors(family)

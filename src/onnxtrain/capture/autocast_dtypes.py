@@ -42,10 +42,13 @@ from onnxtrain.capture.flatten import flatten, unflatten
 # The aten ops the dispatcher runs a product as, below autocast (linear and matmul arrive as mm/addmm/bmm,
 # conv2d as convolution, einsum as bmm); autocast lowers the first ones and keeps mv, dot and addmv float32,
 # and cdist (``_cdist_forward``), which the exported graph computes with a MatMul (its output 15x further from
-# float64 than eager's when that ran bf16).
+# float64 than eager's when that ran bf16), and the grouped matmul of MoE experts (``_grouped_mm``: Hugging
+# Face Mixtral casts its input to the float32 weights' type, so eager runs it float32; bf16 on OpenVINO its
+# ``down_proj`` gradient was 20x further from float64 than eager autocast's).
 PRODUCTS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "convolution",
                       "_convolution", "_scaled_dot_product_flash_attention_for_cpu",
-                      "_scaled_dot_product_attention_math", "_native_multi_head_attention", "_cdist_forward"})
+                      "_scaled_dot_product_attention_math", "_native_multi_head_attention", "_cdist_forward",
+                      "_grouped_mm"})
 # Functions that report the autocast state; a True read by the model's code makes the float32 trace differ.
 _STATE_READS = ("is_autocast_enabled", "is_autocast_cpu_enabled")
 # Readers whose choice makes no difference to the float32 trace: Hugging Face's ``maybe_autocast`` picks
