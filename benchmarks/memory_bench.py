@@ -7,7 +7,8 @@ Activation memory is measured with ``--allocator malloc`` (the default): onnxrun
 (``ONNXTRAIN_CPU_ARENA=0``) and glibc with a fixed mmap threshold, for eager PyTorch as for ORTModule, so
 that what a step frees goes back to the system. ``--allocator malloc-release`` keeps onnxruntime's arena
 and hands it back as each ORTModule step starts and ends (``ONNXTRAIN_CPU_ARENA=release``): fewer fresh
-pages, a higher peak (docs/memory.md). With onnxruntime's arena (``--allocator arena``, the library's
+pages, a higher peak (docs/memory.md); ``--allocator malloc-backward`` the arena in backward only
+(``ONNXTRAIN_CPU_ARENA=backward``). With onnxruntime's arena (``--allocator arena``, the library's
 default) the arena keeps the step's high-water mark between steps, "peak minus between" is flat (57-60 MB
 at every budget) and only the process peak moves. Eager is always run, for the peak and step
 comparisons; the issue's targets are printed after each workload's table, met or not.
@@ -66,6 +67,8 @@ RSS_NOISE_MB = 1.0
 # and ends (ONNXTRAIN_CPU_ARENA=release; the on-device runtime does not hand it back): inside a step freed
 # buffers are reused, not mapped afresh (faults and system time fall), and the arena holds what a step frees
 # until the step ends (activation memory rises; docs/memory.md, "The arena handed back").
+# "malloc-backward": the same, with ORTModule's forward graph run without an arena (ONNXTRAIN_CPU_ARENA=backward):
+# only backward's stages reuse freed buffers, where they made most of the step's fresh pages (docs/memory.md).
 # "arena": onnxruntime's shared arena (the default), which never shrinks; only the process peak moves.
 # "glibc": onnxruntime without its arena and glibc with its own (dynamic) thresholds, for both sides: one
 # allocator, which keeps freed memory for reuse as it sees fit. For step times: under "malloc" every buffer of
@@ -75,6 +78,8 @@ ALLOCATORS = {
     "malloc": {"ONNXTRAIN_CPU_ARENA": "0", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"},
     "malloc-release": {"ONNXTRAIN_CPU_ARENA": "release", "MALLOC_MMAP_THRESHOLD_": "65536",
                        "MALLOC_TRIM_THRESHOLD_": "65536"},
+    "malloc-backward": {"ONNXTRAIN_CPU_ARENA": "backward", "MALLOC_MMAP_THRESHOLD_": "65536",
+                        "MALLOC_TRIM_THRESHOLD_": "65536"},
     "arena": {},
     "glibc": {"ONNXTRAIN_CPU_ARENA": "0"},
 }

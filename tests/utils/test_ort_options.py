@@ -12,7 +12,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from onnxtrain.utils.ort_options import ARENA_ENV, for_training, release_arena, release_step_memory
+from onnxtrain.utils.ort_options import (ARENA_ENV, for_training, forward_without_arena, release_arena,
+                                         release_step_memory)
 
 
 def _add_model() -> bytes:
@@ -34,6 +35,14 @@ def test_the_arena_is_shared_by_default_and_off_on_request(monkeypatch):
     session = ort.InferenceSession(_add_model(), sess_options=off, providers=["CPUExecutionProvider"])
     x = np.arange(3, dtype=np.float32)
     np.testing.assert_array_equal(session.run(None, {"x": x})[0], 2 * x)
+
+
+def test_a_session_can_opt_out_of_the_shared_arena(monkeypatch):
+    monkeypatch.delenv(ARENA_ENV, raising=False)
+    own = for_training(arena=False)
+    assert not own.enable_cpu_mem_arena and not own.enable_mem_pattern
+    with pytest.raises(RuntimeError):  # never set: onnxruntime raises for it
+        own.get_session_config_entry("session.use_env_allocators")
 
 
 def test_a_bad_arena_value_names_the_variable(monkeypatch):
@@ -85,5 +94,8 @@ def test_release_step_memory_follows_the_variable(monkeypatch):
     assert not release_step_memory()
     monkeypatch.setenv(ARENA_ENV, "release")
     assert release_step_memory()
+    assert not forward_without_arena()
+    monkeypatch.setenv(ARENA_ENV, "backward")
+    assert release_step_memory() and forward_without_arena()
     monkeypatch.setenv(ARENA_ENV, "0")
-    assert not release_step_memory()
+    assert not release_step_memory() and not forward_without_arena()

@@ -41,7 +41,7 @@ from onnxtrain.runtime.openvino_float32 import float32_sums
 from onnxtrain.runtime.session import TorchSession, session_options
 from onnxtrain.runtime.staged import StagedSession
 from onnxtrain.utils.io import save_model_atomic
-from onnxtrain.utils.ort_options import release_step_memory
+from onnxtrain.utils.ort_options import forward_without_arena, release_step_memory
 
 logger = logging.getLogger("onnxtrain.ortmodule")
 
@@ -84,6 +84,8 @@ class Training:
     dims: dict[str, int] | None = None  # sizes of the symbolic dims at build time: stage cuts by liveness
     # Whether a step starts and ends by handing onnxruntime's arena back (utils.ort_options.release_arena).
     release: bool = False
+    # Whether backward's outputs are copied out of the CPU arena (ONNXTRAIN_CPU_ARENA=backward).
+    copy_out: bool = False
     # The forward and the loss's gradients in one call (OpenVINO; :mod:`onnxtrain.ortmodule.fused`), or None.
     fused: fusion.FusedStep | None = None
     # The dtype each differentiable output's gradient enters the backward graph in (the graph's float32 where
@@ -177,16 +179,18 @@ class SchemaGraphs:
             self.inference = self._session(ir.to_proto(cast_outputs(model, self.output_casts)))
         return self.inference
 
-    def _session(self, proto: onnx.ModelProto, in_node_order: bool = False) -> TorchSession:
+    def _session(self, proto: onnx.ModelProto, in_node_order: bool = False, arena: bool = True) -> TorchSession:
         """``in_node_order``: onnxruntime runs the nodes in the graph's order (its priority-based order)
         rather than its default topological order, which in the forward graph ran work early and kept its
         outputs alive (BERT-small at 4x batch: the forward's peak at recompute budget 0, 132 -> 88 MB above
-        the RSS between steps; the step's activation memory without recompute, 319 -> 307 MB)."""
+        the RSS between steps; the step's activation memory without recompute, 319 -> 307 MB).
+        ``arena``: False for a session that takes no memory from the shared arena
+        (:func:`onnxtrain.utils.ort_options.forward_without_arena`)."""
         proto = strip_stop_gradients(proto)
         precision = self.precision
         if precision == "fp16":  # float16 products in the graph itself (passes.precision), run as it is
             proto, precision = apply_precision(proto, "fp16"), "fp32"
-        options = session_options(log_severity=self.log_severity)
+        options = session_options(log_severity=self.log_severity, arena=arena)
         if in_node_order:
             options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
         return TorchSession(proto, self.device, options, self.backend, precision)
@@ -254,10 +258,13 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     padding_ids, zero_rows, freq_scaled = _lookup_rules(graphs, names, row_scatters)
     plan = training_passes.step("recompute").plan
     budget = recompute is not None and recompute.budget is not None and plan is not None and plan.saved_bytes > 0
-    training = Training(graphs._session(forward, in_node_order=True), backward, split, wrt, diff_outputs,
+    forward_session = graphs._session(forward, in_node_order=True, arena=not forward_without_arena())
+    training = Training(forward_session, backward, split, wrt, diff_outputs,
                         graphs._session, row_scatters, padding_ids, zero_rows, freq_scaled, backward_stages(budget),
                         float32_sums(graphs.precision), plan, dims or None,
-                        release=release_step_memory(), seed_dtypes=[_TORCH_DTYPES[seed.dtype] for seed in seeds],
+                        release=release_step_memory(),
+                        copy_out=forward_without_arena() and graphs.device.type == "cpu",
+                        seed_dtypes=[_TORCH_DTYPES[seed.dtype] for seed in seeds],
                         torch_casts={k: _TORCH_DTYPES[dtype] for k, dtype in graphs.output_casts.items()
                                      if k not in in_graph})
     if joint is not None:

@@ -35,17 +35,18 @@ def providers_for(device: torch.device) -> list:
 
 
 def session_options(threads: int | None = None, log_severity: int = 3,
-                    optimized_model_path: str | None = None) -> ort.SessionOptions:
+                    optimized_model_path: str | None = None, arena: bool = True) -> ort.SessionOptions:
     """Options for training graphs: as many intra-op threads as torch uses, sequential execution, and
-    :func:`onnxtrain.utils.ort_options.for_training` (one shared arena; idle threads sleep, since they
-    would otherwise take cores from the other session and from torch's ops running in between)."""
+    :func:`onnxtrain.utils.ort_options.for_training` (one shared arena, none where ``arena`` is False; idle
+    threads sleep, since they would otherwise take cores from the other session and from torch's ops running
+    in between)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads if threads is not None else torch.get_num_threads()
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = log_severity
-    for_training(options)
+    for_training(options, arena)
     if optimized_model_path:
         options.optimized_model_filepath = optimized_model_path
     return options

@@ -16,9 +16,11 @@ under ORTModule, steady RSS 2.09 -> 1.48 GB; on-device BERT-small, peak RSS 509 
 keeps its high-water mark), ``release`` (the arena grows by what each request needs, kSameAsRequested, so
 that whole regions come free, and ORTModule's training step starts and ends by handing its free regions
 back to the system, ``release_arena``: the RSS between steps is then what stays alive, as without an
-arena, while inside a step freed buffers are reused instead of mapped afresh; docs/memory.md), ``0`` (no arena:
-onnxruntime allocates each buffer from the C heap, as torch does on the CPU, and memory a step frees can go
-back to the system with glibc, for buffers above its mmap threshold).
+arena, while inside a step freed buffers are reused instead of mapped afresh; docs/memory.md), ``backward``
+(the same, but ORTModule's forward graph runs without an arena: only the backward graph's stages reuse freed
+buffers, so the forward's transients never sit idle beside the stash; docs/memory.md, "The arena in backward
+only"), ``0`` (no arena: onnxruntime allocates each buffer from the C heap, as torch does on the CPU, and
+memory a step frees can go back to the system with glibc, for buffers above its mmap threshold).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def shared_cpu_arena() -> bool:
     """
     info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
     try:
-        config = RELEASE_ARENA_CONFIG if _arena_setting() == "release" else {}
+        config = RELEASE_ARENA_CONFIG if _arena_setting() in HANDED_BACK else {}
         ort.create_and_register_allocator(info, ort.OrtArenaCfg(config))
         return True
     except Exception as exc:  # noqa: BLE001 - already registered by someone else is fine, all else: own arenas
@@ -60,21 +62,29 @@ def shared_cpu_arena() -> bool:
 # The default arena (``ONNXTRAIN_CPU_ARENA=1``) keeps onnxruntime's settings.
 RELEASE_ARENA_CONFIG = {"arena_extend_strategy": 1}
 ARENA_ENV = "ONNXTRAIN_CPU_ARENA"
-ARENA_VALUES = ("1", "release", "0")
+ARENA_VALUES = ("1", "release", "backward", "0")
+HANDED_BACK = ("release", "backward")  # the settings whose arena a training step hands back as it starts and ends
 
 
 def _arena_setting() -> str:
     arena = os.environ.get(ARENA_ENV, "1").strip()
     if arena not in ARENA_VALUES:
         raise ValueError(f"{ARENA_ENV}={arena!r}: use 1 (one shared CPU arena, the default), release (the same, "
-                         "handed back to the system as each training step starts and ends) or 0 (no arena)")
+                         "handed back to the system as each training step starts and ends), backward (as release, "
+                         "for the backward graph only) or 0 (no arena)")
     return arena
 
 
 def release_step_memory() -> bool:
     """Whether a training step starts and ends by handing the shared arena's free memory back to the system
-    (``ONNXTRAIN_CPU_ARENA=release``)."""
-    return _arena_setting() == "release" and shared_cpu_arena()
+    (``ONNXTRAIN_CPU_ARENA=release`` or ``backward``)."""
+    return _arena_setting() in HANDED_BACK and shared_cpu_arena()
+
+
+def forward_without_arena() -> bool:
+    """Whether ORTModule's forward graph runs without an arena (``ONNXTRAIN_CPU_ARENA=backward``): its
+    transients go back to the system as they are freed, and only backward's stages reuse freed buffers."""
+    return _arena_setting() == "backward"
 
 
 @functools.cache
@@ -102,11 +112,11 @@ def release_arena() -> None:
     session.run(None, feeds, run_options)
 
 
-def use_shared_arena(options: ort.SessionOptions) -> ort.SessionOptions:
+def use_shared_arena(options: ort.SessionOptions, arena: bool = True) -> ort.SessionOptions:
     """Make ``options`` take CPU memory from the shared arena, without memory patterns (no arena at all
-    where ``ONNXTRAIN_CPU_ARENA=0``)."""
+    where ``ONNXTRAIN_CPU_ARENA=0`` or ``arena`` is False)."""
     options.enable_mem_pattern = False
-    if _arena_setting() == "0":
+    if not arena or _arena_setting() == "0":
         options.enable_cpu_mem_arena = False
         return options
     if shared_cpu_arena():
@@ -120,6 +130,7 @@ def no_spinning(options: ort.SessionOptions) -> ort.SessionOptions:
     return options
 
 
-def for_training(options: ort.SessionOptions | None = None) -> ort.SessionOptions:
-    """``options`` (or new ones) set up for sessions that take turns: shared arena, no spinning."""
-    return no_spinning(use_shared_arena(options if options is not None else ort.SessionOptions()))
+def for_training(options: ort.SessionOptions | None = None, arena: bool = True) -> ort.SessionOptions:
+    """``options`` (or new ones) set up for sessions that take turns: shared arena (none where ``arena`` is
+    False), no spinning."""
+    return no_spinning(use_shared_arena(options if options is not None else ort.SessionOptions(), arena))
