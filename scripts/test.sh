@@ -39,7 +39,11 @@ if ! "$NEWEST_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__
     python -m venv "$NEWEST_VENV"
 fi
 "$NEWEST_VENV/bin/python" -m pip install -q "torch==$NEWEST_TORCH" -e ".[hf,openvino]" "pytest>=8" "psutil>=5" "expecttest>=0.2"
-NEWEST_TESTS=(tests/ortmodule/test_parity.py tests/ortmodule/test_trust.py tests/ortmodule/test_moe.py)
+# Model parity and trust, guards, and ORTModule under autocast (OpenVINO bf16: the venv has the openvino extra);
+# about a minute together on top of the OpInfo subset.
+NEWEST_TESTS=(tests/ortmodule/test_parity.py tests/ortmodule/test_trust.py tests/ortmodule/test_moe.py
+              tests/ortmodule/test_guards.py tests/ortmodule/test_ortmodule.py tests/ortmodule/test_autocast.py
+              tests/ortmodule/test_autocast_policy.py tests/ortmodule/test_fused_step.py)
 if [ -d tests/opinfo ]; then NEWEST_TESTS+=(tests/opinfo); fi
 PYTHONPATH="$PWD/src" "$NEWEST_VENV/bin/python" -m pytest -p no:cacheprovider "${NEWEST_TESTS[@]}"
 
