@@ -74,12 +74,11 @@ RSS_NOISE_MB = 1.0
 # allocator, which keeps freed memory for reuse as it sees fit. For step times: under "malloc" every buffer of
 # 64 KiB or more is a fresh mmap whose pages fault on first touch, which charges the side that allocates more
 # fresh buffers (ORTModule's decomposed backward: docs/memory.md, "Step time at 4x batch").
+_FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}  # the "malloc" glibc setting
 ALLOCATORS = {
-    "malloc": {"ONNXTRAIN_CPU_ARENA": "0", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"},
-    "malloc-release": {"ONNXTRAIN_CPU_ARENA": "release", "MALLOC_MMAP_THRESHOLD_": "65536",
-                       "MALLOC_TRIM_THRESHOLD_": "65536"},
-    "malloc-backward": {"ONNXTRAIN_CPU_ARENA": "backward", "MALLOC_MMAP_THRESHOLD_": "65536",
-                        "MALLOC_TRIM_THRESHOLD_": "65536"},
+    "malloc": {"ONNXTRAIN_CPU_ARENA": "0", **_FIXED_MMAP},
+    "malloc-release": {"ONNXTRAIN_CPU_ARENA": "release", **_FIXED_MMAP},
+    "malloc-backward": {"ONNXTRAIN_CPU_ARENA": "backward", **_FIXED_MMAP},
     "arena": {},
     "glibc": {"ONNXTRAIN_CPU_ARENA": "0"},
 }

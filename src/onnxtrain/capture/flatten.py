@@ -4,9 +4,9 @@ Inputs and outputs of a ``torch.nn.Module`` may be tensors, tuples, lists, dicts
 ``ModelOutput``s (ordered mappings), plain values (``None``, bools, ints, floats, strings) and any class
 registered as a ``torch.utils._pytree`` node. Hugging Face's ``DynamicCache`` (what a causal LM returns
 as ``past_key_values`` unless ``use_cache=False``; encoder-decoders name it ``cache`` from transformers 5.24)
-is registered on first sight, the way transformers does it for ``torch.export``. The spec records everything but the tensors, so it can key a cache: two
-calls with the same spec can share one exported graph. Plain values are part of the spec, which is why a
-new ``bool`` argument means a new graph.
+is registered on first sight, the way transformers does it for ``torch.export``. The spec records
+everything but the tensors, so it can key a cache: two calls with the same spec can share one exported
+graph. Plain values are part of the spec, which is why a new ``bool`` argument means a new graph.
 """
 
 from __future__ import annotations
