@@ -21,8 +21,8 @@ import time
 
 from ondevice_bench import peak_rss_mb  # VmHWM: ru_maxrss would count the driver's RSS (inherited across exec)
 
-WORKLOADS = ("mlp", "bert", "gpt2", "llama")
-DEFAULT_WORKLOADS = ("mlp", "bert", "gpt2")  # the issue's; llama on request
+WORKLOADS = ("mlp", "bert", "gpt2", "llama", "resnet")
+DEFAULT_WORKLOADS = ("mlp", "bert", "gpt2")  # the issue's; llama and resnet on request (no target)
 MODES = ("eager", "compile", "ortmodule")
 # The same under torch.autocast("cpu", dtype=torch.bfloat16); ORTModule runs it on OpenVINO's bf16
 # (onnxtrain.runtime.backends). Their ratios are against eager-bf16 and compile-bf16.
@@ -33,6 +33,8 @@ DESCRIPTIONS = {
     "gpt2": "GPT2LMHeadModel n_embd 256, 4 layers, 4 heads, seq 128, batch 4",
     "llama": "LlamaForCausalLM hidden 256, 4 layers, 4 heads (2 KV), MLP 1024, vocab 32000, seq 128, batch 4, "
              "default config (use_cache on)",
+    "resnet": "ResNetForImageClassification ResNet-18 layout (basic blocks 2-2-2-2, 64-512 channels), 10 classes, "
+              "3x64x64 images, batch 16",
 }
 
 
@@ -77,6 +79,14 @@ def make_workload(name: str, scale: int = 1):
         model = LlamaForCausalLM(config)
         ids = torch.randint(0, 32000, (4, 128))
         return model, lambda m: m(input_ids=ids, labels=ids).loss
+    if name == "resnet":
+        from transformers import ResNetConfig, ResNetForImageClassification
+
+        config = ResNetConfig(embedding_size=64, hidden_sizes=[64, 128, 256, 512], depths=[2, 2, 2, 2],
+                              layer_type="basic", num_labels=10)
+        model = ResNetForImageClassification(config)
+        images, labels = torch.randn(16 * scale, 3, 64, 64), torch.randint(0, 10, (16 * scale,))
+        return model, lambda m: m(pixel_values=images, labels=labels).loss
     raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
 
 

@@ -307,3 +307,26 @@ def test_bf16_artifacts_keep_layer_norm_row_sums(tmp_path):
         paths = generate(path, tmp_path / precision, requires_grad=params, loss="crossentropy", precision=precision)
         counts[precision] = [n.op_type for n in onnx.load(paths.training_model).graph.node].count("ReduceSum")
     assert counts == {"fp32": 0, "bf16": 2}, counts
+
+
+def test_a_convolution_weight_gradient_is_refused_when_the_module_is_made(tmp_path):
+    """OpenVINO's CPU plugin compiles no convolution with a kernel of dynamic size, and the training model's
+    weight gradients are such convolutions. Before, ``Module(..., backend="openvino")`` was made and the first
+    training call failed with OpenVINO's own error; now the module is not made, with an error naming the node,
+    before the state is bound: the same state then trains on onnxruntime."""
+    from tests.ondevice.helpers import CNN, export
+
+    torch.manual_seed(7)
+    model = CNN()
+    path = export(clone(model), (torch.randn(2, 1, 8, 8),), tmp_path / "cnn.onnx", ["x"])
+    paths = generate(path, tmp_path, requires_grad=[n for n, _ in model.named_parameters()], loss="crossentropy",
+                     optimizer="adamw")
+    state = CheckpointState.load_checkpoint(paths.checkpoint)
+    before = {name: p.data.copy() for name, p in state.parameters.items()}
+    with pytest.raises(ValueError, match=r"kernel of dynamic size, which '[^']*Conv[^']*'"):
+        Module(paths.training_model, state, paths.eval_model, backend="openvino", precision="fp32")
+    for name, p in state.parameters.items():
+        np.testing.assert_array_equal(p.data, before[name])
+    module = Module(paths.training_model, state, paths.eval_model)
+    x = RNG.standard_normal((8, 1, 8, 8)).astype(np.float32)
+    assert np.isfinite(float(module(x, RNG.integers(0, 4, 8).astype(np.int64))))

@@ -450,24 +450,63 @@ def test_a_forward_fake_tensors_cannot_run_falls_back_under_bf16(monkeypatch):
 
 
 class _ConvNet(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, norm: bool, kernel: int = 3, groups: int = 1):
         super().__init__()
-        self.conv = torch.nn.Conv2d(3, 8, 3)
-        self.norm = torch.nn.BatchNorm2d(8)  # updates buffers: forward and backward run as two graphs
+        # no bias before BatchNorm (as in ResNet): its float64 gradient is zero, so both sides are noise there
+        self.conv = torch.nn.Conv2d(4, 8, kernel, stride=2, padding=1, groups=groups, bias=not norm)
+        self.mix = torch.nn.Conv2d(8, 8, 3, padding=2, dilation=2)
+        # BatchNorm updates buffers: forward and backward run as two graphs; without it, one fused call
+        self.norm = torch.nn.BatchNorm2d(8) if norm else torch.nn.GroupNorm(2, 8)
 
     def forward(self, x):
-        return self.norm(self.conv(x)).square().mean()
+        # tanh, not ReLU: a ReLU whose input's sign rounding flips passes a whole entry of the output gradient,
+        # and on one batch that alone made conv.weight's error 4.5x eager autocast's (test_families_bf16.py)
+        return self.mix(torch.tanh(self.norm(self.conv(x))))
+
+
+def _sessions(model) -> set[str]:
+    """The kinds of session every graph made for training runs on."""
+    kinds = set()
+    for entries in model._cache.values():
+        for graphs in entries:
+            for training in graphs.training.values():
+                kinds.add(type(training.forward._session).__name__)
+                if training.fused is not None:
+                    kinds.add(type(training.fused.session._session).__name__)
+                for staged in training._backward.values():
+                    kinds.update(type(s._session).__name__ for s in (staged.sessions if staged else ()))
+    return kinds
 
 
 @bf16_runs
-def test_a_convolution_weight_gradient_falls_back_before_any_graph_runs(monkeypatch):
+@pytest.mark.parametrize("norm,groups", [(True, 1), (False, 2)])
+def test_a_convolution_model_trains_on_openvino_under_bf16(norm, groups, monkeypatch):
     """OpenVINO's CPU plugin compiles no convolution with a kernel of dynamic size, and a weight gradient is
-    one. Before, the backward graph failed to compile at the first backward (HF ResNet), after the forward's
-    outputs were used: an error, not a fallback. Now refused when the graphs are built; the step is eager's."""
+    one: before, such models fell back (the graphs were refused when built). The weight gradients are now
+    patches and a product (passes/conv_patches.py): every graph runs on OpenVINO, each gradient within 2x eager
+    autocast's error against float64 (fallback off)."""
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "0")
+    torch.manual_seed(0)
+    reference = _ConvNet(norm, groups=groups)
+    x = torch.randn(4, 4, 12, 10)
+    model = ORTModule(copy.deepcopy(reference))
+    _, grads = _step(model, x, torch.bfloat16)
+    assert model.fallback_reason is None
+    assert _sessions(model) == {"OpenVINOSession"}
+    eager, exact = _eager_and_exact(reference, x, torch.bfloat16)
+    _near_autocast(grads, eager, exact)
+
+
+@bf16_runs
+def test_a_kernel_too_large_for_patches_falls_back_before_any_graph_runs(monkeypatch):
+    """A weight gradient with more output positions than passes/conv_patches.py makes (a 65x65 kernel: 4225)
+    stays a convolution with a kernel of dynamic size: refused when the graphs are built (before, ResNet's
+    backward failed to compile at the first backward, after the forward's outputs were used), so the step is
+    eager's, with the reason."""
     monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
     torch.manual_seed(0)
-    reference = _ConvNet()
-    x = torch.randn(2, 3, 8, 8)
+    reference = _ConvNet(norm=True, kernel=65)
+    x = torch.randn(2, 4, 66, 66)
     model = ORTModule(copy.deepcopy(reference))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

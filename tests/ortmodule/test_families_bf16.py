@@ -42,6 +42,7 @@ from onnxtrain import ORTModule  # noqa: E402
 from onnxtrain.runtime import backends  # noqa: E402
 
 from .test_families import FALLS_BACK as FLOAT32_FALLS_BACK  # noqa: E402
+from .test_autocast_policy import _sessions  # noqa: E402
 from .test_families import FAMILIES, _batch, _model  # noqa: E402
 
 pytestmark = [pytest.mark.families,
@@ -65,14 +66,12 @@ FALLS_BACK = {
     # OpenVINO their gradients were 20x further from float64 than eager autocast's (down_proj). torch 2.13 has
     # no fake kernel for it in float32, so the products cannot be checked at all there.
     "mixtral": "products (that autocast does not lower|cannot be checked)",
-    # OpenVINO's CPU plugin compiles no convolution with a kernel of dynamic size: a weight gradient's
-    "resnet": "kernel of dynamic size",
-    "vit": "kernel of dynamic size",
-    "convnext": "kernel of dynamic size",
-    # OpenVINO's CPU plugin refuses the fused graph on its first call (a Squeeze of dynamic rank)
-    "mbart": "OpenVINO cannot compile",
 }
 
+
+#: families that fell back before (every convolution's weight gradient, mBART's Squeeze without axes), and
+#: whose every graph must now run on OpenVINO (passes/conv_patches.py, passes/squeeze_axes.py)
+ON_OPENVINO = {"resnet", "vit", "convnext", "mbart"}
 
 #: families that fall back on torch older than the given version only (measured on 2.13 and 2.15)
 FALLS_BACK_BEFORE = {"falcon": (2, 15)}
@@ -118,6 +117,8 @@ def _errors(family):
             acc[1] += float((eager_grads[name] - want).square().sum())
             acc[2] += float(want.square().sum())
     assert [(g.backend, g.precision) for entries in ort._cache.values() for g in entries] == [("openvino", "bf16")]
+    if family in ON_OPENVINO:
+        assert _sessions(ort) == {"OpenVINOSession"}
     return sq, losses
 
 

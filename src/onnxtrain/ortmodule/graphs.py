@@ -37,6 +37,7 @@ from onnxtrain.passes.recompute import Plan as RecomputePlan
 from onnxtrain.passes.recompute import Recompute, dims_from_inputs
 from onnxtrain.passes.stage_graph import CannotStage, one_stage, stage_graph
 from onnxtrain.passes.zero_inputs import CannotPrune, prune_zero_inputs
+from onnxtrain.runtime import openvino
 from onnxtrain.runtime.openvino_float32 import float32_sums
 from onnxtrain.runtime.session import TorchSession, session_options
 from onnxtrain.runtime.staged import StagedSession
@@ -237,8 +238,11 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     model = training_passes(model)
     if save is not None:
         save(model, "training")
-    if graphs.backend == "openvino":
-        _refuse_dynamic_kernels(model.graph)
+    if graphs.backend == "openvino":  # what OpenVINO cannot compile: rewritten, else refused before any call
+        model = pipeline.openvino_training()(model)
+        refusal = openvino.dynamic_kernel(model.graph)
+        if refusal is not None:
+            raise BackendRefusal(f"OpenVINO cannot compile the training graph: {refusal}")
     no_fusion = (fusion.why_not(graphs.backend, graphs.random, graphs.mutated_buffers, user_outputs, diff_outputs)
                  if fused_step() else f"{FUSED_STEP_ENV}=0")
     joint = None if no_fusion else ir_version_for_onnxruntime(ir.to_proto(model))  # before the split takes it apart
@@ -276,21 +280,6 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
 
 class BackendRefusal(RuntimeError):
     """The backend cannot compile the training graph (ORTModule falls back before any graph runs)."""
-
-
-def _refuse_dynamic_kernels(graph: ir.Graph) -> None:
-    """OpenVINO's CPU plugin compiles no convolution whose kernel has a size not fixed in the graph (2026.4:
-    "Unsupported operation of type: Convolution"), and a convolution's weight gradient is one, its kernel the
-    output gradient with the batch as its channels. Before, the fused graph failed at the first call (ViT,
-    ConvNeXt) but the backward graph only at the first backward (ResNet), after the forward's outputs were used,
-    so that could not fall back: refused here, when the graphs are built."""
-    for node in graph.all_nodes():
-        if node.op_type in ("Conv", "ConvTranspose") and len(node.inputs) > 1:
-            shape = node.inputs[1].shape if node.inputs[1] is not None else None
-            if shape is None or not all(isinstance(d, int) for d in shape):
-                raise BackendRefusal(f"OpenVINO cannot compile the training graph: its CPU plugin has no convolution "
-                                     f"with a kernel of dynamic size, which {node.name or node.op_type} (a "
-                                     "convolution's weight gradient) is")
 
 
 def _fused_step(graphs: SchemaGraphs, training: Training, joint: onnx.ModelProto, num_forward_outputs: int,

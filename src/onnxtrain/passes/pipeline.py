@@ -36,6 +36,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from onnxtrain.passes.chunk_cross_entropy import ChunkCrossEntropyPass, chunks_for
+from onnxtrain.passes.conv_patches import ConvPatchesPass
 from onnxtrain.passes.erf_cdf import ErfCdfPass
 from onnxtrain.passes.expand_cross_entropy import ExpandCrossEntropyPass
 from onnxtrain.passes.initializers_to_inputs import InitializersToInputsPass
@@ -44,6 +45,7 @@ from onnxtrain.passes.optimize import OptimizePass
 from onnxtrain.passes.order_backward import OrderBackwardPass
 from onnxtrain.passes.recompute import Recompute, RecomputePass, Saved
 from onnxtrain.passes.shared_rows import SharedRowsPass
+from onnxtrain.passes.squeeze_axes import SqueezeAxesPass
 from onnxtrain.passes.strip_stop_gradients import StripStopGradientsPass
 from onnxtrain.passes.sum_rows_by_matmul import SumRowsByMatMulPass
 from onnxtrain.passes.symbolic_shapes import SymbolicShapesPass
@@ -142,6 +144,16 @@ def ortmodule_training(num_forward_outputs: int, recompute: Recompute | None = N
         Step("recompute", RecomputePass(num_forward_outputs, recompute, dims, saved),
              "last before the split: decides what backward recomputes of the final forward; the split puts "
              "the clones in backward"),
+    ])
+
+
+def openvino_training() -> Pipeline:
+    """The joint graph after :func:`ortmodule_training`, when OpenVINO runs it: what its CPU plugin cannot compile,
+    written in a form it can (before the split, so that the forward, backward and fused graphs all have it)."""
+    return Pipeline("openvino_training", [
+        Step("conv_patches", ConvPatchesPass(),
+             "convolution weight gradients (kernels of dynamic size) as patches and a product"),
+        Step("squeeze_axes", SqueezeAxesPass(), "a Squeeze without axes has a dynamic rank in OpenVINO"),
     ])
 
 

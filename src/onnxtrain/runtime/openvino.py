@@ -44,6 +44,39 @@ class OpenVINOReadError(ValueError):
     """OpenVINO's ONNX front end cannot convert the model (an op or an input shape it does not support)."""
 
 
+#: ONNX ops, and OpenVINO's, that its CPU plugin compiles only with a kernel (input 1) of static size (2026.4:
+#: "Doesn't support dynamic weights shape"). A convolution's weight gradient is one, its kernel the output
+#: gradient: :mod:`onnxtrain.passes.conv_patches` writes those as patches and a product.
+KERNEL_OPS = ("Conv", "ConvTranspose")
+_OV_KERNEL_OPS = ("Convolution", "GroupConvolution", "ConvolutionBackpropData", "GroupConvolutionBackpropData")
+
+
+def dynamic_kernel(graph) -> str | None:
+    """Why OpenVINO's CPU plugin cannot compile ``graph`` (an ``onnx_ir`` graph): its first convolution whose
+    kernel has a size not fixed in the graph, named; None if there is none. For a caller that must decide
+    before anything runs (ORTModule builds its training graphs before the first call; OpenVINO compiles them
+    lazily, with the first call's shapes)."""
+    for node in graph.all_nodes():
+        if node.op_type in KERNEL_OPS and node.domain in ("", "ai.onnx") and len(node.inputs) > 1:
+            shape = node.inputs[1].shape if node.inputs[1] is not None else None
+            if shape is None or not all(isinstance(d, int) for d in shape):
+                return _kernel_refusal(node.name or node.op_type)
+    return None
+
+
+def _kernel_refusal(name: str) -> str:
+    return (f"its CPU plugin has no convolution with a kernel of dynamic size, which {name!r} is (a training "
+            "graph's convolution weight gradient is one: its kernel is the output gradient)")
+
+
+def _read_dynamic_kernel(model) -> str | None:
+    """:func:`dynamic_kernel` of a model OpenVINO has read (its own ops and shapes)."""
+    for op in model.get_ordered_ops():
+        if op.get_type_name() in _OV_KERNEL_OPS and op.input(1).get_partial_shape().is_dynamic:
+            return _kernel_refusal(op.get_friendly_name())
+    return None
+
+
 class OpenVINOSession:
     """A compiled OpenVINO model with ``get_inputs``/``get_outputs``/``get_modelmeta``/``io_binding``/
     ``run_with_iobinding`` as onnxruntime's InferenceSession has them."""
@@ -63,6 +96,9 @@ class OpenVINOSession:
             from onnxtrain.runtime.openvino_float32 import keep_float32
 
             self._model = keep_float32(self._model, core())
+        refusal = _read_dynamic_kernel(self._model)  # when made, not at the first run (compiled then)
+        if refusal is not None:
+            raise ValueError(f"OpenVINO cannot compile the model for the CPU: {refusal}")
         self._config = {"INFERENCE_PRECISION_HINT": _HINTS[precision], "PERFORMANCE_HINT": "LATENCY",
                         "NUM_STREAMS": 1}
         if threads:

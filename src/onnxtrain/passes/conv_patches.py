@@ -1,0 +1,132 @@
+"""A convolution whose kernel has a dynamic size, as patches and one product, for OpenVINO's CPU plugin.
+
+A convolution's weight gradient is a correlation of the padded input with the output gradient
+(:func:`onnxtrain.autodiff.rules._nn_window.weight_gradient`): a ``Conv`` whose kernel is the output gradient,
+of dynamic size wherever the batch (or the image size) is, followed by a ``Slice`` keeping the first ``P``
+positions of each spatial axis (the forward kernel's size, static). OpenVINO's CPU plugin compiles no
+convolution with a kernel of dynamic size (2026.4: "Doesn't support dynamic weights shape"), so every
+convolution model fell back under autocast bf16.
+
+Rewritten, where a ``Conv`` with a kernel not of static size is read only by such a ``Slice`` (constant starts
+0, constant ends ``P`` on every spatial axis, step 1), without pads: the ``P`` output positions needed are taken
+one spatial axis at a time. For output position ``p`` of an axis with stride ``a`` and dilation ``e``, the input
+window is ``X[p * a :: e]`` over the kernel's length ``Q`` (read from its shape at run time); the windows of the
+``P`` positions stacked give ``patches[B, C, P..., Q...]``, and with ``group`` ``G``::
+
+    Y[b, g * Mg + m, p] = sum over c < C / G, q of patches[b, g * C / G + c, p, q] * W[g * Mg + m, c, q]
+
+one batched ``MatMul`` ``[G, B * P, C / G * Q] x [G, C / G * Q, Mg]``. The same sums in another order (float32:
+within rounding of the ``Conv``); the patches cost ``P`` times the input's memory, as a weight gradient's im2col
+does. Slices, ``Concat`` and ``Transpose`` only move values, so under OpenVINO's bf16 hint the product reads
+the same bf16 input and output gradient that autocast's convolution backward reads. Run only on graphs for
+OpenVINO (:mod:`onnxtrain.passes.pipeline`); any other ``Conv`` is left alone, and a kernel of dynamic size
+left over is refused by :func:`onnxtrain.runtime.openvino.dynamic_kernel`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import onnx_ir as ir
+
+from onnxtrain.autodiff.builder import GraphBuilder
+
+_DOMAINS = ("", "ai.onnx")
+MAX_POSITIONS = 4096  # output positions (a forward kernel's size) rewritten at most: one Slice per axis and position
+
+
+class ConvPatchesPass(ir.passes.InPlacePass):
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        modified = False
+        for node in list(graph):
+            positions = _positions(node)
+            if positions is not None:
+                _rewrite(graph, node, positions)
+                modified = True
+        return ir.passes.PassResult(model, modified=modified)
+
+
+def _static(value: ir.Value | None) -> bool:
+    return value is not None and value.shape is not None and all(isinstance(d, int) for d in value.shape)
+
+
+def _ints(value: ir.Value | None) -> list[int] | None:
+    if value is None:
+        return None
+    tensor = value.const_value
+    if tensor is None and value.producer() is not None and value.producer().op_type == "Constant":
+        attr = value.producer().attributes.get("value")
+        tensor = attr.value if attr is not None else None
+    return None if tensor is None else [int(v) for v in tensor.numpy().reshape(-1)]
+
+
+def _positions(node: ir.Node) -> list[int] | None:
+    """The output positions a ``Conv`` with a kernel of dynamic size must make per spatial axis (the ends of the
+    one ``Slice`` that reads it), or None where it is not of the form this pass rewrites."""
+    if node.op_type != "Conv" or node.domain not in _DOMAINS or len(node.inputs) < 2 or len(node.inputs) > 2:
+        return None
+    x, w = node.inputs[0], node.inputs[1]
+    if w is None or _static(w) or x is None or len(node.outputs[0].uses()) != 1:
+        return None
+    reader, slot = next(iter(node.outputs[0].uses()))
+    if reader.op_type != "Slice" or reader.domain not in _DOMAINS or slot != 0 or len(reader.inputs) < 4:
+        return None
+    starts, ends, axes = (_ints(v) for v in reader.inputs[1:4])
+    n = len(ends or ())
+    steps = _ints(reader.inputs[4]) if len(reader.inputs) > 4 and reader.inputs[4] is not None else [1] * n
+    if n < 1 or starts != [0] * n or axes != list(range(2, 2 + n)) or steps != [1] * n or \
+            any(e < 1 for e in ends) or math.prod(ends) > MAX_POSITIONS:
+        return None
+    if (x.shape is not None and len(x.shape) != n + 2) or any(node.attributes.get_ints("pads", [0] * 2 * n)) or \
+            node.attributes.get_string("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        return None
+    return ends
+
+
+def _rewrite(graph: ir.Graph, node: ir.Node, positions: list[int]) -> None:
+    x, w = node.inputs[0], node.inputs[1]
+    crop = next(iter(node.outputs[0].uses()))[0]
+    n = len(positions)
+    strides = list(node.attributes.get_ints("strides", [1] * n))
+    dilations = list(node.attributes.get_ints("dilations", [1] * n))
+    group = node.attributes.get_int("group", 1)
+    b = GraphBuilder((v.name for v in _values(graph)), prefix=f"{node.name or 'Conv'}/patches")
+    w_shape = b.Shape(w)
+    lengths = b.Slice(w_shape, b.ints([2]), b.ints([2 + n]))  # the kernel's Q per axis, at run time
+    # patches [B, C, P0, Q0, P1, Q1, ...]: axis i's windows stacked where its input axis was
+    patches = x
+    for i in range(n):
+        axis = 2 + 2 * i
+        span = b.Add(b.Mul(b.Sub(b.Slice(lengths, b.ints([i]), b.ints([i + 1])), b.ints([1])),
+                           b.ints([dilations[i]])), b.ints([1]))  # (Q - 1) * e + 1
+        windows = []
+        for p in range(positions[i]):
+            start = b.ints([p * strides[i]])
+            window = b.Slice(patches, start, b.Add(start, span), b.ints([axis]), b.ints([dilations[i]]))
+            windows.append(b.Unsqueeze(window, b.ints([axis])))
+        patches = b.Concat(*windows, axis=axis) if len(windows) > 1 else windows[0]
+    order = [0, 1, *(2 + 2 * i for i in range(n)), *(3 + 2 * i for i in range(n))]  # [B, C, P..., Q...]
+    patches = b.Transpose(patches, perm=order)
+    total = math.prod(positions)
+    in_per_group = b.Slice(w_shape, b.ints([1]), b.ints([2]))
+    reduced = b.ReduceProd(b.Slice(w_shape, b.ints([1]), b.ints([2 + n])), keepdims=1)  # C / G * Q
+    rows = b.Reshape(patches, b.Concat(b.ints([0, group]), in_per_group, b.ints([total, -1]), axis=0))
+    rows = b.Transpose(rows, perm=[1, 0, 3, 2, 4])  # [G, B, P, C / G, Q]
+    rows = b.Reshape(rows, b.Concat(b.ints([group, -1]), reduced, axis=0))  # [G, B * P, C / G * Q]
+    kernel = b.Transpose(b.Reshape(w, b.Concat(b.ints([group, -1]), reduced, axis=0)), perm=[0, 2, 1])
+    y = b.MatMul(rows, kernel)  # [G, B * P, Mg]
+    per_group = b.Div(b.Slice(w_shape, b.ints([0]), b.ints([1])), b.ints([group]))  # Mg
+    y = b.Reshape(y, b.Concat(b.ints([group, -1, total]), per_group, axis=0))
+    y = b.Transpose(y, perm=[1, 0, 3, 2])  # [B, G, Mg, P]
+    y = b.Reshape(y, b.ints([0, -1, *positions]))
+    out = crop.outputs[0]
+    y.shape, y.type = out.shape, out.type
+    ir.convenience.replace_nodes_and_values(graph, node, [node, crop], b.nodes, [out], [y])
+
+
+def _values(graph: ir.Graph):
+    yield from itertools.chain(graph.inputs, graph.initializers.values())
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        yield from node.outputs

@@ -1,0 +1,42 @@
+"""A ``Squeeze`` without axes given the axes its declared output shape says it removes, for OpenVINO.
+
+``torch.squeeze(x)`` (every axis of size 1; mBART's ``shift_tokens_right``) exports as ``Squeeze`` without an
+axes input. OpenVINO cannot tell which axes of a dynamic size are 1, so its output has a dynamic rank, which
+its CPU plugin refuses (2026.4: "CPU plug-in doesn't support Squeeze operation with dynamic rank"). The traced
+graph knows: its output shape has the rank the trace saw (torch.export guards a dynamic size against 1, and
+ORTModule runs a graph only on sizes in the traced ranges). Where the input has exactly as many axes of static
+size 1 as the output has fewer axes, those are the axes: given as a constant input, the same op. Any other
+``Squeeze`` is left alone. Run only on graphs for OpenVINO (:mod:`onnxtrain.passes.pipeline`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+_DOMAINS = ("", "ai.onnx")
+
+
+class SqueezeAxesPass(ir.passes.InPlacePass):
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        modified = False
+        for node in list(model.graph):
+            axes = _axes(node)
+            if axes is not None:
+                constant = ir.Node("", "Constant", [], attributes=[
+                    ir.AttrTensor("value", ir.tensor(np.array(axes, np.int64)))], name=f"{node.name or 'Squeeze'}/axes")
+                model.graph.insert_before(node, constant)
+                node.resize_inputs(2)
+                node.replace_input_with(1, constant.outputs[0])
+                modified = True
+        return ir.passes.PassResult(model, modified=modified)
+
+
+def _axes(node: ir.Node) -> list[int] | None:
+    if node.op_type != "Squeeze" or node.domain not in _DOMAINS or (len(node.inputs) > 1 and node.inputs[1] is not None):
+        return None
+    source, out = node.inputs[0], node.outputs[0]
+    if source is None or source.shape is None or out.shape is None:
+        return None
+    ones = [axis for axis, size in enumerate(source.shape) if size == 1]
+    return ones if ones and len(source.shape) - len(ones) == len(out.shape) else None
