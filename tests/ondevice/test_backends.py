@@ -208,6 +208,46 @@ def test_openvino_requests_are_reused_with_fresh_results():
         session.run_with_iobinding(unbound)
 
 
+def test_openvino_run_arrays_reads_each_call_s_arrays():
+    """``run_arrays`` (ORTModule's path) leaves an input set on the pooled request when the call passes that very
+    array again (a parameter's): the request still reads it in place, so an update in place shows; an input that
+    is another array (a new one, one of another shape, or the old one after a binding set others on the request)
+    is the one read."""
+    from onnx import TensorProto, helper
+
+    from onnxtrain.runtime.openvino import OpenVINOSession
+
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3]),
+                               helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    session = OpenVINOSession(model.SerializeToString())
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 2)).astype(np.float32)
+    x = rng.standard_normal((4, 3)).astype(np.float32)
+
+    def check(x, w):
+        (y,) = session.run_arrays([x, w])
+        np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-6)
+
+    check(x, w)
+    w += 1.0  # the optimizer's update, in place
+    check(x.copy(), w)
+    check(x, w.copy())  # another array with the same values
+    other = rng.standard_normal((3, 2)).astype(np.float32)
+    check(x, other)
+    check(rng.standard_normal((7, 3)).astype(np.float32), w)
+    # A binding's run on the same pooled request sets its own tensors there: w is set again after it.
+    (y,) = session.run(None, {"x": x, "w": other})
+    np.testing.assert_allclose(y, x @ other, rtol=1e-5, atol=1e-6)
+    assert len(session._idle) == 1
+    check(x, w)
+    for _ in range(3):  # arrays dropped after their call: each call's own is read, not the freed one's memory
+        check(x, rng.standard_normal((3, 2)).astype(np.float32))
+
+
 def test_openvino_binding_sets_on_its_request_only_what_was_bound_since():
     """A binding with an output in the caller's memory keeps its request, which holds its tensors between
     runs: a run sets only what was bound since the last one (the batch, not every parameter again), and

@@ -8,7 +8,10 @@ the runtime (``bind_output(name, "cpu")``) is copied out of the request after ea
 reuses its buffers. A binding whose outputs are all left to the runtime (ORTModule makes one per call) runs
 on an infer request taken from the session's idle ones and put back after the run: a new request per call
 allocated its intermediate and output memory afresh, and the page faults of that memory took a quarter of
-the MLP's backward call (docs/precision.md). OpenVINO is imported on first use; torch and onnx are not imported at all.
+the MLP's backward call (docs/precision.md). ``run_arrays`` (ORTModule's path) does not set an input again on a
+request that reads that very array, still alive, from its last run (a parameter's array, which the caller keeps):
+the request holds no reference to an array it reads, so every other input is set anew before each run.
+OpenVINO is imported on first use; torch and onnx are not imported at all.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -110,6 +114,8 @@ class OpenVINOSession:
         self._outputs = [_port(p) for p in self._model.outputs]
         self._compiled = None
         self._idle: list = []  # infer requests of finished runs, for the next binding (OpenVINOBinding._run)
+        # id of a pooled request -> per input position, a weak reference to the array run_arrays last set there
+        self._reads: dict[int, list] = {}
         if all(not p.get_partial_shape().rank.is_dynamic for p in self._model.inputs):
             self._compile()
         # else: OpenVINO's CPU plugin needs every input's rank; compiled on the first run, from its inputs
@@ -151,8 +157,13 @@ class OpenVINOSession:
 
         request = self._idle.pop() if self._idle else self._compile(
             {p.name: a for p, a in zip(self._inputs, arrays)}).create_infer_request()
+        # What the request reads from its last run here: an input whose array is this very (live) object is
+        # read in place and needs no new tensor. Cleared until the inputs are all set (a failure leaves some unset).
+        reads = self._reads.pop(id(request), None) or [None] * len(arrays)
         try:
             for k, (port, array) in enumerate(zip(self._inputs, arrays)):
+                if reads[k] is not None and reads[k]() is array:
+                    continue
                 try:
                     request.set_input_tensor(k, ov.Tensor(array, ov.Shape(list(array.shape)), ov.Type.bf16)
                                              if port.type == "tensor(bfloat16)" and array.dtype == np.int16
@@ -160,10 +171,12 @@ class OpenVINOSession:
                 except Exception as exc:
                     raise ValueError(f"OpenVINO cannot bind {port.name!r} (shape {list(array.shape)}, "
                                      f"{array.dtype}): {exc}") from exc
+                reads[k] = weakref.ref(array)
+            self._reads[id(request)] = reads
             request.infer()
             return [np.array(request.get_output_tensor(k).data, copy=True) for k in range(len(self._outputs))]
         finally:
-            self._idle.append(request)  # every input is set again before its next run
+            self._idle.append(request)
 
     def io_binding(self) -> OpenVINOBinding:
         return OpenVINOBinding(self)
@@ -232,6 +245,7 @@ class OpenVINOBinding:
         if request is None:
             if pooled and self._session._idle:
                 request = self._session._idle.pop()
+                self._session._reads.pop(id(request), None)  # every input is set below
             else:
                 arrays = {name: kept[0] for name, kept in self._keep.items()}
                 request = self._session._compile(arrays).create_infer_request()
