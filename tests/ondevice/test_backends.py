@@ -169,10 +169,8 @@ def test_graph_openvino_cannot_read_runs_on_onnxruntime(monkeypatch):
     np.testing.assert_array_equal(out, y.sum(axis=0, keepdims=True))
 
 
-def test_openvino_requests_are_reused_with_fresh_results():
-    """Calls that leave their outputs to the runtime share the session's idle infer requests: each call's
-    results are its own (copied out), shapes may change between calls, a binding with an output in the
-    caller's memory keeps its own request, and an input left unbound is an error, not the last call's value."""
+def _xw_session():
+    """An OpenVINO session of ``y = x @ w``, x [n, 3] (n dynamic), w [3, 2]."""
     from onnx import TensorProto, helper
 
     from onnxtrain.runtime.openvino import OpenVINOSession
@@ -183,7 +181,14 @@ def test_openvino_requests_are_reused_with_fresh_results():
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 2])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    session = OpenVINOSession(model.SerializeToString())
+    return OpenVINOSession(model.SerializeToString())
+
+
+def test_openvino_requests_are_reused_with_fresh_results():
+    """Calls that leave their outputs to the runtime share the session's idle infer requests: each call's
+    results are its own (copied out), shapes may change between calls, a binding with an output in the
+    caller's memory keeps its own request, and an input left unbound is an error, not the last call's value."""
+    session = _xw_session()
     rng = np.random.default_rng(0)
     w = rng.standard_normal((3, 2)).astype(np.float32)
     xs = [rng.standard_normal((n, 3)).astype(np.float32) for n in (4, 4, 7, 1)]
@@ -213,17 +218,7 @@ def test_openvino_run_arrays_reads_each_call_s_arrays():
     array again (a parameter's): the request still reads it in place, so an update in place shows; an input that
     is another array (a new one, one of another shape, or the old one after a binding set others on the request)
     is the one read."""
-    from onnx import TensorProto, helper
-
-    from onnxtrain.runtime.openvino import OpenVINOSession
-
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3]),
-                               helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 2])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 2])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    session = OpenVINOSession(model.SerializeToString())
+    session = _xw_session()
     rng = np.random.default_rng(0)
     w = rng.standard_normal((3, 2)).astype(np.float32)
     x = rng.standard_normal((4, 3)).astype(np.float32)
