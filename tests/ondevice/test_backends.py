@@ -365,3 +365,37 @@ def test_a_convolution_weight_gradient_is_refused_when_the_module_is_made(tmp_pa
     module = Module(paths.training_model, state, paths.eval_model)
     x = RNG.standard_normal((8, 1, 8, 8)).astype(np.float32)
     assert np.isfinite(float(module(x, RNG.integers(0, 4, 8).astype(np.int64))))
+
+
+def test_bf16_artifacts_write_the_gelu_slope_without_hard_sigmoid(tmp_path):
+    """bf16 artifacts (run on OpenVINO, whose HardSigmoid is a reference float32 kernel) write GELU's gradient's
+    ``0.5 * erf + 0.5`` as Mul and Add (passes/erf_cdf.py), float32 ones keep the HardSigmoid; the bf16
+    artifacts' gradients, run in float32, are PyTorch's."""
+    import onnx
+
+    from tests.ondevice.helpers import export
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 5))
+    path = export(model, (torch.randn(4, 16),), tmp_path / "m.onnx", ["x"])
+    params = [n for n, _ in model.named_parameters()]
+    counts, paths = {}, {}
+    for precision in ("fp32", "bf16"):
+        paths[precision] = generate(path, tmp_path / precision, requires_grad=params, loss="crossentropy",
+                                    optimizer="adamw", precision=precision)
+        ops = [n.op_type for n in onnx.load(paths[precision].training_model).graph.node]
+        counts[precision] = ops.count("HardSigmoid")
+    assert counts == {"fp32": 1, "bf16": 0}, counts
+
+    x = (4 * RNG.standard_normal((64, 16))).astype(np.float32)  # wide enough that erf saturates at both ends
+    state = CheckpointState.load_checkpoint(paths["bf16"].checkpoint)
+    module = Module(paths["bf16"].training_model, state, backend="onnxruntime", precision="fp32")
+    assert (module.backend, module.precision) == ("onnxruntime", "fp32")
+    loss = float(module(x, Y))
+    model.train()
+    expected = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(Y))
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-5)
+    grads = module.buffers.grad_views
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
