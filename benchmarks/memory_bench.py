@@ -306,7 +306,8 @@ def ondevice_worker(workload: str, budget: str, steps: int, scale: int, threads:
 def run_one(workload: str, budget: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", workload, budget, "--steps", str(args.steps),
            "--scale", str(args.scale), "--threads", str(args.threads)]
-    env = {**os.environ, **ALLOCATORS[args.allocator], ARTIFACTS_ENV: str(args.artifacts or "")}
+    env = {**os.environ, **ALLOCATORS[args.allocator], ARTIFACTS_ENV: str(args.artifacts or ""),
+           "ONNXTRAIN_EXPORT_PROCESS": args.export_process}
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{workload} {budget} failed:\n{out.stderr[-3000:]}")
@@ -322,6 +323,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--allocator", choices=sorted(ALLOCATORS), default="malloc")
+    parser.add_argument("--export-process", choices=("0", "spawn"), default="0",
+                        help="ORTModule's export in a child process (ONNXTRAIN_EXPORT_PROCESS; docs/memory.md)")
     parser.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "BUDGET"))
     args = parser.parse_args(argv)
     if args.worker:

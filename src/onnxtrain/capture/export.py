@@ -15,13 +15,13 @@ import logging
 import sys
 import threading
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 import onnx_ir as ir
 import torch
 
+from onnxtrain.capture.captured import Captured
 from onnxtrain.capture.flatten import Constant, Spec, UnsupportedStructureError, flatten, unflatten
 from onnxtrain.capture.moe import moe_translations
 from onnxtrain.capture.promotion import needs_type_promotion
@@ -78,21 +78,6 @@ class FlatModule(torch.nn.Module):
             raise ExportError("the forward returns a complex tensor, which ORTModule does not support")
         buffers = dict(self.module.named_buffers(remove_duplicate=False))
         return (*flat, *(buffers[name] for name in self.buffer_names))
-
-
-@dataclass
-class Captured:
-    """The exported graph and what is needed to feed and read it."""
-
-    model: ir.Model
-    output_spec: Spec
-    num_outputs: int  # user outputs (the first graph outputs)
-    mutated_buffers: list[str]  # buffer names whose new values are the remaining graph outputs
-    exporter: str  # "dynamo" or "torchscript"
-    static_dims: list[dict[int, int]] = field(default_factory=list)  # per input: axis -> fixed size
-    # per input: axis -> (lowest, highest or None) size the graph was traced for (torch.export's range
-    # constraints: a Python branch on a size, e.g. ``if x.shape[0] > 4``, bounds it); other sizes re-export
-    dim_ranges: list[dict[int, tuple[int, int | None]]] = field(default_factory=list)
 
 
 def dynamic_axes(tensor: torch.Tensor) -> list[int]:

@@ -25,7 +25,7 @@ from onnxtrain.autodiff.engine import (
     values_by_name,
 )
 from onnxtrain.autodiff.stop_gradient import is_stop_gradient, strip_stop_gradients
-from onnxtrain.capture import Captured
+from onnxtrain.capture.captured import Captured
 from onnxtrain.ortmodule import fused as fusion
 from onnxtrain.ortmodule.guards import Guards
 from onnxtrain.ortmodule.options import FUSED_STEP_ENV, MIN_STAGE_BYTES, backward_stages, fused_step

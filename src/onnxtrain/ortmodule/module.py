@@ -30,11 +30,11 @@ from collections import OrderedDict
 import onnx_ir as ir
 import torch
 
-from onnxtrain.capture import capture, flatten, leaf_paths, unflatten
+from onnxtrain.capture.flatten import flatten, leaf_paths, unflatten
 from onnxtrain.capture.autocast_dtypes import AutocastDtypeError, autocast_run
 from onnxtrain.capture.quiet import summary
 from onnxtrain.capture.structure import structure
-from onnxtrain.ortmodule import distributed, guards
+from onnxtrain.ortmodule import distributed, export_process, guards
 from onnxtrain.ortmodule.function import ORTFunction, reseed
 from onnxtrain.ortmodule.graphs import Saver, SchemaGraphs, build_training, prepare
 from onnxtrain.ortmodule.options import FALLBACK_ENV, DebugOptions
@@ -164,10 +164,27 @@ class ORTModule(torch.nn.Module):
                 warnings.warn(f"ORTModule exports {type(self.module).__name__} again: what its forward "
                               f"reads changed ({changed}), and the graph holds it as a constant", UserWarning,
                               stacklevel=5)
-        with young_objects_only():  # the export's object churn would otherwise make the collector walk it all
-            graphs = self._export(key, len(entries), args, kwargs, tensors, retraced)
+        graphs = self._in_child(key, args, kwargs, tensors) if not entries else None
+        if graphs is None:
+            with young_objects_only():  # the export's object churn would otherwise make the collector walk it all
+                graphs = self._export(key, len(entries), args, kwargs, tensors, retraced)
         entries.append(graphs)
         return graphs
+
+    def _in_child(self, key, args, kwargs, tensors) -> SchemaGraphs | None:
+        """The schema's graphs made in a child process (``ONNXTRAIN_EXPORT_PROCESS=spawn``:
+        :mod:`onnxtrain.ortmodule.export_process`), or None where the export runs here (the reason logged)."""
+        if not export_process.enabled():
+            return None
+        reason = export_process.why_not(self, tensors)
+        if reason is None:
+            self._schema_ids.setdefault(key, len(self._schema_ids))
+            try:
+                return export_process.export(self, args, kwargs, tensors)
+            except export_process.ChildUnavailable as exc:
+                reason = str(exc)
+        logger.info("exporting %s in this process: %s", type(self.module).__name__, reason)
+        return None
 
     def _export(self, key, index: int, args, kwargs, tensors, retraced=None) -> SchemaGraphs:
         tag = f"s{self._schema_ids.setdefault(key, len(self._schema_ids))}_{index}"
@@ -202,6 +219,8 @@ class ORTModule(torch.nn.Module):
 
     def _capture(self, args, kwargs, device: torch.device):
         """The float32 graph (the precision is the backend's business), and the guards of what it read."""
+        from onnxtrain.capture.export import capture  # torch's exporter: imported by the first export only
+
         with (_no_side_effects(self.module), torch.autocast(device.type, enabled=False),
               guards.recording(self.module) as read):
             captured = capture(self.module, args, kwargs, verbose=self._debug.log_level <= 0)

@@ -20,41 +20,46 @@ import logging
 
 import onnx_ir as ir
 from onnx_ir.passes import common
-from onnxscript.optimizer import constant_folding
-from onnxscript.rewriter import RewritePass
-from onnxscript.rewriter.rules import common as rules
 
-# The folder logs a warning for each node it cannot evaluate (and leaves it as is): not the user's concern.
-_FOLDING_LOG = logging.getLogger(constant_folding.__name__)
-
+# The cleanup rules, by their names in onnxscript.rewriter.rules.common. onnxscript (about 20 MB of modules) is
+# imported when the pass first runs: the pipelines' module is also imported where built graphs are only staged
+# (a backward graph's passes, after the export ran in another process: ortmodule/export_process.py).
 CLEANUP_RULES = (
-    rules.mul_by_1_rule, rules.add_0_rule, rules.sub_0_rule, rules.div_by_1_rule,
-    rules.dropout_zero_rule, rules.dropout_inference_rule,
-    rules.collapse_slice_rule, rules.collapse_slice2_rule, rules.slice_split_rule,
-    rules.cast_cast_rule, rules.no_op_cast_rule, rules.no_op_expand_rule, rules.no_op_transpose_rule,
-    rules.reshape_reshape_rule, rules.transpose_transpose_rule, rules.unsqueeze_unsqueeze_rule,
-    rules.squeeze_reshape_1d_rule, rules.flatten_to_reshape_rule, rules.materialize_reshape_shape_rule,
-    rules.cast_constant_of_shape_rule, rules.cast_constant_of_shape_without_value_rule,
+    "mul_by_1_rule", "add_0_rule", "sub_0_rule", "div_by_1_rule",
+    "dropout_zero_rule", "dropout_inference_rule",
+    "collapse_slice_rule", "collapse_slice2_rule", "slice_split_rule",
+    "cast_cast_rule", "no_op_cast_rule", "no_op_expand_rule", "no_op_transpose_rule",
+    "reshape_reshape_rule", "transpose_transpose_rule", "unsqueeze_unsqueeze_rule",
+    "squeeze_reshape_1d_rule", "flatten_to_reshape_rule", "materialize_reshape_shape_rule",
+    "cast_constant_of_shape_rule", "cast_constant_of_shape_without_value_rule",
 )
 
 
 class OptimizePass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        level = _FOLDING_LOG.level
-        _FOLDING_LOG.setLevel(logging.ERROR)
+        from onnxscript.optimizer import constant_folding
+
+        # The folder logs a warning for each node it cannot evaluate (and leaves it as is): not the user's concern.
+        folding_log = logging.getLogger(constant_folding.__name__)
+        level = folding_log.level
+        folding_log.setLevel(logging.ERROR)
         try:
             _optimize(model)
         finally:
-            _FOLDING_LOG.setLevel(level)
+            folding_log.setLevel(level)
         return ir.passes.PassResult(model, modified=True)
 
 
 def _optimize(model: ir.Model) -> None:
+    from onnxscript.optimizer import constant_folding
+    from onnxscript.rewriter import RewritePass
+    from onnxscript.rewriter.rules import common as rules
+
     loop = ir.passes.PassManager(
         [
             constant_folding.FoldConstantsPass(shape_inference=True, input_size_limit=8192,
                                                output_size_limit=262144),
-            RewritePass(list(CLEANUP_RULES)),
+            RewritePass([getattr(rules, name) for name in CLEANUP_RULES]),
             common.RemoveUnusedNodesPass(),
             common.RemoveUnusedFunctionsPass(),
             common.RemoveUnusedOpsetsPass(),
