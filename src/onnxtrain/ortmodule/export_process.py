@@ -108,7 +108,8 @@ def export(ortmodule, args, kwargs, tensors: list[torch.Tensor]):
         # the child finds the modules this process finds (a model class next to the training script)
         env = {**os.environ, EXPORT_PROCESS_ENV: "0", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         done = subprocess.run([sys.executable, "-c", _CHILD, str(request), str(response)],
-                              env=env, stdout=sys.stderr, check=False)
+                              env=env, capture_output=True, text=True, check=False)
+        sys.stderr.write(done.stdout + done.stderr)  # the child's log and warnings, where this process's go
         if not response.exists():
             raise ChildUnavailable(f"the export process ended with code {done.returncode} and no answer")
         answer = torch.load(response, weights_only=False)

@@ -219,8 +219,6 @@ class ORTModule(torch.nn.Module):
 
     def _capture(self, args, kwargs, device: torch.device):
         """The float32 graph (the precision is the backend's business), and the guards of what it read."""
-        from onnxtrain.capture.export import capture  # torch's exporter: imported by the first export only
-
         with (_no_side_effects(self.module), torch.autocast(device.type, enabled=False),
               guards.recording(self.module) as read):
             captured = capture(self.module, args, kwargs, verbose=self._debug.log_level <= 0)
@@ -398,6 +396,14 @@ class ORTModule(torch.nn.Module):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+
+
+def capture(module: torch.nn.Module, args, kwargs, *, verbose: bool = False):
+    """:func:`onnxtrain.capture.export.capture`, imported by the first export: torch's exporter and onnxscript's
+    op library (about 45 MB of modules) are not imported with ORTModule (ortmodule/export_process.py)."""
+    from onnxtrain.capture.export import capture as export
+
+    return export(module, args, kwargs, verbose=verbose)
 
 
 def _embedding_rules(module: torch.nn.Module) -> tuple[dict[str, int], set[str], set[str]]:
