@@ -483,7 +483,7 @@ def _sessions(model) -> set[str]:
 def test_a_convolution_model_trains_on_openvino_under_bf16(norm, groups, monkeypatch):
     """OpenVINO's CPU plugin compiles no convolution with a kernel of dynamic size, and a weight gradient is
     one: before, such models fell back (the graphs were refused when built). The weight gradients are now
-    patches and a product (passes/conv_patches.py): every graph runs on OpenVINO, each gradient within 2x eager
+    products over input windows (passes/conv_patches.py): every graph runs on OpenVINO, each gradient within 2x eager
     autocast's error against float64 (fallback off)."""
     monkeypatch.setenv("ONNXTRAIN_FALLBACK", "0")
     torch.manual_seed(0)
@@ -499,7 +499,7 @@ def test_a_convolution_model_trains_on_openvino_under_bf16(norm, groups, monkeyp
 
 @bf16_runs
 def test_a_kernel_too_large_for_patches_falls_back_before_any_graph_runs(monkeypatch):
-    """A weight gradient with more output positions than passes/conv_patches.py makes (a 65x65 kernel: 4225)
+    """A weight gradient with more output positions than passes/conv_patches.py makes (a 65x65 kernel: 4225 > 1024)
     stays a convolution with a kernel of dynamic size: refused when the graphs are built (before, ResNet's
     backward failed to compile at the first backward, after the forward's outputs were used), so the step is
     eager's, with the reason."""

@@ -1,4 +1,4 @@
-"""passes/conv_patches.py: convolution weight gradients as patches and a product, against PyTorch autograd.
+"""passes/conv_patches.py: convolution weight gradients as products over input windows, against PyTorch autograd.
 
 Each case differentiates one convolution node with dynamic batch and image sizes (so the weight gradient's
 kernel, the output gradient, has a dynamic size), rewrites the gradient graph, and runs it: in onnxruntime

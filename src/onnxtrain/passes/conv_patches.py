@@ -1,4 +1,4 @@
-"""A convolution whose kernel has a dynamic size, as patches and one product, for OpenVINO's CPU plugin.
+"""A convolution whose kernel has a dynamic size, as products over input windows, for OpenVINO's CPU plugin.
 
 A convolution's weight gradient is a correlation of the padded input with the output gradient
 (:func:`onnxtrain.autodiff.rules._nn_window.weight_gradient`): a ``Conv`` whose kernel is the output gradient,
@@ -8,19 +8,21 @@ convolution with a kernel of dynamic size (2026.4: "Doesn't support dynamic weig
 convolution model fell back under autocast bf16.
 
 Rewritten, where a ``Conv`` with a kernel not of static size is read only by such a ``Slice`` (constant starts
-0, constant ends ``P`` on every spatial axis, step 1), without pads: the ``P`` output positions needed are taken
-one spatial axis at a time. For output position ``p`` of an axis with stride ``a`` and dilation ``e``, the input
-window is ``X[p * a :: e]`` over the kernel's length ``Q`` (read from its shape at run time); the windows of the
-``P`` positions stacked give ``patches[B, C, P..., Q...]``, and with ``group`` ``G``::
+0, constant ends ``P`` on every spatial axis, step 1), without pads: each of the ``P`` output positions (one per
+forward kernel offset ``p``) is one product. With stride ``a``, dilation ``e`` and the kernel's spatial length
+``Q`` (read from its shape at run time), the input window of position ``p`` is ``X[:, :, p * a : p * a + (Q - 1)
+* e + 1 : e]`` (one strided ``Slice``), and with ``group`` ``G``::
 
-    Y[b, g * Mg + m, p] = sum over c < C / G, q of patches[b, g * C / G + c, p, q] * W[g * Mg + m, c, q]
+    Y[b, g * Mg + m, p] = sum over c < C / G, q of window_p[b, g * C / G + c, q] * W[g * Mg + m, c, q]
 
-one batched ``MatMul`` ``[G, B * P, C / G * Q] x [G, C / G * Q, Mg]``. The same sums in another order (float32:
-within rounding of the ``Conv``); the patches cost ``P`` times the input's memory, as a weight gradient's im2col
-does. Slices, ``Concat`` and ``Transpose`` only move values, so under OpenVINO's bf16 hint the product reads
-the same bf16 input and output gradient that autocast's convolution backward reads. Run only on graphs for
-OpenVINO (:mod:`onnxtrain.passes.pipeline`); any other ``Conv`` is left alone, and a kernel of dynamic size
-left over is refused by :func:`onnxtrain.runtime.openvino.dynamic_kernel`.
+one ``MatMul`` ``[B, C * Q] x [C * Q, M]`` (groups: batched, ``[G, B, C / G * Q] x [G, C / G * Q, Mg]``), the
+kernel reshaped once for all positions; the ``P`` products are stacked to ``[B, M, P...]``. The same sums in
+another order (float32: within rounding of the ``Conv``). Each window is the input's size over the strides,
+made and read one at a time: stacking all windows first (im2col) held ``P`` times the input and cost two
+transposes of it (ResNet-18's backward, docs/precision.md). Slices only move values, so under OpenVINO's bf16
+hint the product reads the same bf16 input and output gradient that autocast's convolution backward reads. Run
+only on graphs for OpenVINO (:mod:`onnxtrain.passes.pipeline`); any other ``Conv`` is left alone, and a kernel of
+dynamic size left over is refused by :func:`onnxtrain.runtime.openvino.dynamic_kernel`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import onnx_ir as ir
 from onnxtrain.autodiff.builder import GraphBuilder
 
 _DOMAINS = ("", "ai.onnx")
-MAX_POSITIONS = 4096  # output positions (a forward kernel's size) rewritten at most: one Slice per axis and position
+MAX_POSITIONS = 1024  # output positions (a forward kernel's size) rewritten at most: a Slice and a MatMul each
 
 
 class ConvPatchesPass(ir.passes.InPlacePass):
@@ -93,33 +95,27 @@ def _rewrite(graph: ir.Graph, node: ir.Node, positions: list[int]) -> None:
     dilations = list(node.attributes.get_ints("dilations", [1] * n))
     group = node.attributes.get_int("group", 1)
     b = GraphBuilder((v.name for v in _values(graph)), prefix=f"{node.name or 'Conv'}/patches")
-    w_shape = b.Shape(w)
-    lengths = b.Slice(w_shape, b.ints([2]), b.ints([2 + n]))  # the kernel's Q per axis, at run time
-    # patches [B, C, P0, Q0, P1, Q1, ...]: axis i's windows stacked where its input axis was
-    patches = x
-    for i in range(n):
-        axis = 2 + 2 * i
-        span = b.Add(b.Mul(b.Sub(b.Slice(lengths, b.ints([i]), b.ints([i + 1])), b.ints([1])),
-                           b.ints([dilations[i]])), b.ints([1]))  # (Q - 1) * e + 1
-        windows = []
-        for p in range(positions[i]):
-            start = b.ints([p * strides[i]])
-            window = b.Slice(patches, start, b.Add(start, span), b.ints([axis]), b.ints([dilations[i]]))
-            windows.append(b.Unsqueeze(window, b.ints([axis])))
-        patches = b.Concat(*windows, axis=axis) if len(windows) > 1 else windows[0]
-    order = [0, 1, *(2 + 2 * i for i in range(n)), *(3 + 2 * i for i in range(n))]  # [B, C, P..., Q...]
-    patches = b.Transpose(patches, perm=order)
-    total = math.prod(positions)
-    in_per_group = b.Slice(w_shape, b.ints([1]), b.ints([2]))
-    reduced = b.ReduceProd(b.Slice(w_shape, b.ints([1]), b.ints([2 + n])), keepdims=1)  # C / G * Q
-    rows = b.Reshape(patches, b.Concat(b.ints([0, group]), in_per_group, b.ints([total, -1]), axis=0))
-    rows = b.Transpose(rows, perm=[1, 0, 3, 2, 4])  # [G, B, P, C / G, Q]
-    rows = b.Reshape(rows, b.Concat(b.ints([group, -1]), reduced, axis=0))  # [G, B * P, C / G * Q]
-    kernel = b.Transpose(b.Reshape(w, b.Concat(b.ints([group, -1]), reduced, axis=0)), perm=[0, 2, 1])
-    y = b.MatMul(rows, kernel)  # [G, B * P, Mg]
-    per_group = b.Div(b.Slice(w_shape, b.ints([0]), b.ints([1])), b.ints([group]))  # Mg
-    y = b.Reshape(y, b.Concat(b.ints([group, -1, total]), per_group, axis=0))
-    y = b.Transpose(y, perm=[1, 0, 3, 2])  # [B, G, Mg, P]
+    axes, steps = b.ints(list(range(2, 2 + n))), b.ints(dilations)
+    # (Q - 1) * e + 1 per axis: the input span of one output position's window, Q the kernel's run time length
+    span = b.Add(b.Mul(b.Sub(b.Slice(b.Shape(w), b.ints([2]), b.ints([2 + n])), b.ints([1])), steps), b.ints([1]))
+    # the kernel as [G, C / G * Q, Mg] (G == 1: [C * Q, M]), made once and read by every position's product
+    kernel = b.Reshape(w, b.ints([0, -1]))  # [M, C / G * Q]
+    if group > 1:
+        kernel = b.Reshape(kernel, b.Concat(b.ints([group, -1]), b.Slice(b.Shape(kernel), b.ints([1]), b.ints([2])),
+                                            axis=0))  # [G, Mg, C / G * Q]
+    kernel = b.Transpose(kernel, perm=[0, 2, 1] if group > 1 else [1, 0])
+    products = []
+    for p in itertools.product(*(range(k) for k in positions)):
+        start = b.ints([q * s for q, s in zip(p, strides)])
+        window = b.Slice(x, start, b.Add(start, span), axes, steps)  # [B, C, Q...]
+        if group > 1:  # [G, B, C / G * Q]
+            rows = b.Transpose(b.Reshape(window, b.ints([0, group, -1])), perm=[1, 0, 2])
+        else:
+            rows = b.Reshape(window, b.ints([0, -1]))  # [B, C * Q]
+        products.append(b.Unsqueeze(b.MatMul(rows, kernel), b.ints([-1])))  # [G, B, Mg, 1] or [B, M, 1]
+    y = b.Concat(*products, axis=-1) if len(products) > 1 else products[0]
+    if group > 1:
+        y = b.Transpose(y, perm=[1, 0, 2, 3])  # [B, G, Mg, P]
     y = b.Reshape(y, b.ints([0, -1, *positions]))
     out = crop.outputs[0]
     y.shape, y.type = out.shape, out.type

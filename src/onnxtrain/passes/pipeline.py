@@ -152,7 +152,7 @@ def openvino_training() -> Pipeline:
     written in a form it can (before the split, so that the forward, backward and fused graphs all have it)."""
     return Pipeline("openvino_training", [
         Step("conv_patches", ConvPatchesPass(),
-             "convolution weight gradients (kernels of dynamic size) as patches and a product"),
+             "convolution weight gradients (kernels of dynamic size) as products over input windows"),
         Step("squeeze_axes", SqueezeAxesPass(), "a Squeeze without axes has a dynamic rank in OpenVINO"),
     ])
 

@@ -23,8 +23,8 @@ class SqueezeAxesPass(ir.passes.InPlacePass):
         for node in list(model.graph):
             axes = _axes(node)
             if axes is not None:
-                constant = ir.Node("", "Constant", [], attributes=[
-                    ir.AttrTensor("value", ir.tensor(np.array(axes, np.int64)))], name=f"{node.name or 'Squeeze'}/axes")
+                value = ir.AttrTensor("value", ir.tensor(np.array(axes, np.int64)))
+                constant = ir.Node("", "Constant", [], attributes=[value], name=f"{node.name or 'Squeeze'}/axes")
                 model.graph.insert_before(node, constant)
                 node.resize_inputs(2)
                 node.replace_input_with(1, constant.outputs[0])
@@ -33,7 +33,9 @@ class SqueezeAxesPass(ir.passes.InPlacePass):
 
 
 def _axes(node: ir.Node) -> list[int] | None:
-    if node.op_type != "Squeeze" or node.domain not in _DOMAINS or (len(node.inputs) > 1 and node.inputs[1] is not None):
+    if node.op_type != "Squeeze" or node.domain not in _DOMAINS:
+        return None
+    if len(node.inputs) > 1 and node.inputs[1] is not None:  # axes given
         return None
     source, out = node.inputs[0], node.outputs[0]
     if source is None or source.shape is None or out.shape is None:

@@ -50,7 +50,7 @@ class OpenVINOReadError(ValueError):
 
 #: ONNX ops, and OpenVINO's, that its CPU plugin compiles only with a kernel (input 1) of static size (2026.4:
 #: "Doesn't support dynamic weights shape"). A convolution's weight gradient is one, its kernel the output
-#: gradient: :mod:`onnxtrain.passes.conv_patches` writes those as patches and a product.
+#: gradient: :mod:`onnxtrain.passes.conv_patches` writes those as products over input windows.
 KERNEL_OPS = ("Conv", "ConvTranspose")
 _OV_KERNEL_OPS = ("Convolution", "GroupConvolution", "ConvolutionBackpropData", "GroupConvolutionBackpropData")
 
