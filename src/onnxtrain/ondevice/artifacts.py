@@ -286,13 +286,14 @@ def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
 def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Recompute | None = None,
                          scaler: LossScaler | None = None, target: str = "default",
                          chunk_loss: bool = True, float32_sums: bool = False,
-                         erf_cdf: bool = False) -> onnx.ModelProto:
+                         erf_cdf: bool = False, conv_patches: bool = False) -> onnx.ModelProto:
     """Add the gradients of the loss w.r.t. the trainable parameters to the eval model. ``chunk_loss``: a
     language model's loss may be computed in row blocks where ``recompute`` asks for a budget below 1
     (:mod:`onnxtrain.passes.chunk_cross_entropy`). ``float32_sums``: the row sums that no product also reads
     (LayerNorm's gradients) stay ``ReduceSum`` (bf16 artifacts: OpenVINO runs a product in bfloat16, a
     ``ReduceSum`` in float32). ``erf_cdf``: GELU's gradient's ``HardSigmoid`` as ``Mul`` and ``Add``
-    (:mod:`onnxtrain.passes.erf_cdf`; bf16 artifacts, run on OpenVINO).
+    (:mod:`onnxtrain.passes.erf_cdf`; bf16 artifacts, run on OpenVINO). ``conv_patches``: convolution weight
+    gradients as products over input windows (:mod:`onnxtrain.passes.conv_patches`; bf16 artifacts too).
 
     With a ``scaler`` the gradients are those of ``loss * loss_scale``, a float32 scalar input after the
     parameters (the gradient seed is the scale; :mod:`onnxtrain.blocks.loss_scale`)."""
@@ -319,7 +320,8 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Rec
     grads = add_gradient_outputs(model, wrt, [loss_value], seeds=seeds, names=info["trainable"])
     passes = pipeline.artifacts_training(num_outputs, recompute, sum_rows_by_matmul=target != "web",
                                          seeds=seeds if recompute is not None else (), saved=pipeline.presaved(before),
-                                         transposed_gemm=target != "web", float32_sums=float32_sums, erf_cdf=erf_cdf)
+                                         transposed_gemm=target != "web", float32_sums=float32_sums, erf_cdf=erf_cdf,
+                                         conv_patches=conv_patches)
     model = passes(model)
     meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen", "input_checks")}
     if recompute is not None and any(c.on for c in passes.step("recompute").plan.candidates):
@@ -436,7 +438,8 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
     training_proto = build_training_model(eval_proto, info, plan, scaler, target,
                                           chunk_loss=precision == "fp32" and target != "web",
                                           float32_sums=float32_sums(precision),
-                                          erf_cdf=precision == "bf16" and target != "web")
+                                          erf_cdf=precision == "bf16" and target != "web",
+                                          conv_patches=precision == "bf16" and target != "web")
     eval_proto = ir.to_proto(pipeline.artifacts_eval_export()(ir.from_proto(eval_proto)))
     if precision == "fp16":  # the products run in float16 in the graphs themselves, on any runtime
         training_proto, eval_proto = (apply_precision(p, "fp16") for p in (training_proto, eval_proto))

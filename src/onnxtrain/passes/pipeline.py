@@ -218,7 +218,8 @@ def artifacts_eval() -> Pipeline:
 
 def artifacts_training(num_outputs: int, recompute: Recompute | None = None, sum_rows_by_matmul: bool = True,
                        seeds: Sequence[ir.Value] = (), saved: Sequence[Saved] = (),
-                       transposed_gemm: bool = True, float32_sums: bool = False, erf_cdf: bool = False) -> Pipeline:
+                       transposed_gemm: bool = True, float32_sums: bool = False, erf_cdf: bool = False,
+                       conv_patches: bool = False) -> Pipeline:
     """The eval graph with the gradients added: training_model.onnx. ``num_outputs``: the eval graph's
     outputs (loss and additional outputs), first in the training graph's; ``recompute``: a plan, if any
     (onnxruntime runs the graph as one session: with a plan, the backward work that reads only forward
@@ -228,7 +229,9 @@ def artifacts_training(num_outputs: int, recompute: Recompute | None = None, sum
     WebGPU MatMul refuses the row-of-ones product); ``saved``: as :func:`ortmodule_training`'s;
     ``transposed_gemm=False`` keeps the weight gradients' ``Transpose`` (web artifacts: not measured there);
     ``float32_sums``: as :func:`ortmodule_backward`'s; ``erf_cdf``: GELU's gradient's ``HardSigmoid`` as ``Mul`` and
-    ``Add`` (bf16 artifacts, which the runtime runs on OpenVINO: :func:`ortmodule_fused`'s rewrite)."""
+    ``Add`` (bf16 artifacts, which the runtime runs on OpenVINO: :func:`ortmodule_fused`'s rewrite);
+    ``conv_patches``: convolution weight gradients as products over input windows (bf16 artifacts: OpenVINO's plugin
+    compiles no kernel of dynamic size; :func:`openvino_training`'s rewrite)."""
     steps = [
         Step("expand_cross_entropy", ExpandCrossEntropyPass(),
              "after autodiff: the SoftmaxCrossEntropyLoss rule builds the cheaper backward"),
@@ -246,6 +249,10 @@ def artifacts_training(num_outputs: int, recompute: Recompute | None = None, sum
         steps.append(Step("erf_cdf", ErfCdfPass(),
                           "after autodiff, which writes the GELU rule's HardSigmoid: OpenVINO has only a reference "
                           "float32 kernel for it, while Mul and Add join the Erf's jit chain (the same values)"))
+    if conv_patches:
+        steps.append(Step("conv_patches", ConvPatchesPass(),
+                          "after autodiff, which writes the weight gradients: OpenVINO compiles no convolution whose "
+                          "kernel (the output gradient) has a dynamic size; before recompute plans the final graph"))
     if recompute is not None:
         planner = RecomputePass(num_outputs, recompute, saved=saved, split=False)
         steps.append(Step("recompute", planner,
