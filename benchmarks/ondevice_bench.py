@@ -132,7 +132,7 @@ def worker_torch(args) -> dict:
 
     torch.set_num_threads(args.threads)
     model = build_torch_model(args.model).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.torch_optimizer == "fused")
     inputs, labels = make_batch(args.model)
     inputs = [torch.from_numpy(x) for x in inputs]
     labels = torch.from_numpy(labels)
@@ -188,7 +188,8 @@ def run_worker(side: str, name: str, d: Path, args) -> dict:
     d = d / precision if kind == "ondevice" else d  # the artifacts of its precision (main generates both)
     cmd = [sys.executable, __file__, "--worker", kind, "--model", name, "--dir", str(d), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--threads", str(args.threads),
-           "--min-seconds", str(getattr(args, "min_seconds", 0.0)), "--precision", precision]
+           "--min-seconds", str(getattr(args, "min_seconds", 0.0)), "--precision", precision,
+           "--torch-optimizer", getattr(args, "torch_optimizer", "adamw")]
     if backend:
         cmd += ["--backend", backend]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -208,6 +209,9 @@ def main() -> int:
                         help="time more steps than --steps until they add up to this many seconds")
     parser.add_argument("--bf16", action="store_true",
                         help="add bf16 rows: torch.autocast bf16 eager, and on-device on OpenVINO with bf16")
+    parser.add_argument("--torch-optimizer", choices=["adamw", "fused"], default="adamw",
+                        help="PyTorch's AdamW: adamw, torch's default (foreach); fused, its one-pass kernel "
+                             "(eager's fastest). The on-device side runs its own optimizer graph either way")
     parser.add_argument("--worker", choices=["ondevice", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
@@ -220,7 +224,8 @@ def main() -> int:
         print(json.dumps(result))
         return 0
 
-    print(f"threads={args.threads} steps={args.steps} (after {args.warmup} warm-up); step = forward+backward+AdamW")
+    print(f"threads={args.threads} steps={args.steps} (after {args.warmup} warm-up); step = forward+backward+AdamW; "
+          f"PyTorch's AdamW: {'fused=True' if args.torch_optimizer == 'fused' else 'foreach (default)'}")
     print(f"{'model':<6} {'side':<13} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} {'peak RSS MB':>12}")
     for name in args.models:
         with tempfile.TemporaryDirectory(prefix=f"ondevice_bench_{name}_") as tmp:
