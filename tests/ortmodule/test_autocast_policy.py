@@ -497,6 +497,43 @@ def test_a_convolution_model_trains_on_openvino_under_bf16(norm, groups, monkeyp
     _near_autocast(grads, eager, exact)
 
 
+class _Squeezed(torch.nn.Module):
+    """``gather(...).squeeze()`` without dims over an index of static size 1, as mBART's ``shift_tokens_right``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        index = (x[:, :2].sum(-1) > 0).long().unsqueeze(-1)  # [N, 1]
+        return self.lin(x).gather(1, index).squeeze()
+
+
+@bf16_runs
+def test_a_squeeze_without_dims_runs_on_openvino_with_and_without_gradients(monkeypatch):
+    """OpenVINO gives a Squeeze without axes a dynamic rank, which its CPU plugin refuses: mBART fell back when
+    training and failed (an error, not a fallback) under ``torch.no_grad()``. Now both run on OpenVINO
+    (passes/squeeze_axes.py on the training and the inference graphs), near eager autocast (fallback off)."""
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "0")
+    torch.manual_seed(0)
+    reference = _Squeezed()
+    x = torch.randn(6, 8)
+    model = ORTModule(copy.deepcopy(reference))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = model(x), reference(x)
+    assert got.shape == want.shape == (6,)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    assert type(next(iter(model._cache.values()))[0].inference._session).__name__ == "OpenVINOSession"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    out.float().sum().backward()
+    assert model.fallback_reason is None and _sessions(model) == {"OpenVINOSession"}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference(x).float().sum().backward()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, p.grad, rtol=1e-2, atol=1e-2)
+
+
 @bf16_runs
 def test_a_kernel_too_large_for_patches_falls_back_before_any_graph_runs(monkeypatch):
     """A weight gradient with more output positions than passes/conv_patches.py makes (a 65x65 kernel: 4225 > 1024)

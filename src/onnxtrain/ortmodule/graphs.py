@@ -177,6 +177,8 @@ class SchemaGraphs:
     def inference_session(self) -> TorchSession:
         if self.inference is None:
             model = pipeline.ortmodule_inference()(ir.from_proto(self.base))
+            if self.backend == "openvino":  # mBART's Squeeze without axes, as in the training graphs
+                model = pipeline.openvino_graphs()(model)
             self.inference = self._session(ir.to_proto(cast_outputs(model, self.output_casts)))
         return self.inference
 
@@ -239,7 +241,7 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
     if save is not None:
         save(model, "training")
     if graphs.backend == "openvino":  # what OpenVINO cannot compile: rewritten, else refused before any call
-        model = pipeline.openvino_training()(model)
+        model = pipeline.openvino_graphs()(model)
         refusal = openvino.dynamic_kernel(model.graph)
         if refusal is not None:
             raise BackendRefusal(f"OpenVINO cannot compile the training graph: {refusal}")

@@ -147,10 +147,11 @@ def ortmodule_training(num_forward_outputs: int, recompute: Recompute | None = N
     ])
 
 
-def openvino_training() -> Pipeline:
-    """The joint graph after :func:`ortmodule_training`, when OpenVINO runs it: what its CPU plugin cannot compile,
-    written in a form it can (before the split, so that the forward, backward and fused graphs all have it)."""
-    return Pipeline("openvino_training", [
+def openvino_graphs() -> Pipeline:
+    """A graph ORTModule runs on OpenVINO, what its CPU plugin cannot compile written in a form it can: the joint
+    graph after :func:`ortmodule_training` (before the split, so that the forward, backward and fused graphs all
+    have it), and the inference graph after :func:`ortmodule_inference`."""
+    return Pipeline("openvino_graphs", [
         Step("conv_patches", ConvPatchesPass(),
              "convolution weight gradients (kernels of dynamic size) as products over input windows"),
         Step("squeeze_axes", SqueezeAxesPass(), "a Squeeze without axes has a dynamic rank in OpenVINO"),
@@ -231,7 +232,7 @@ def artifacts_training(num_outputs: int, recompute: Recompute | None = None, sum
     ``float32_sums``: as :func:`ortmodule_backward`'s; ``erf_cdf``: GELU's gradient's ``HardSigmoid`` as ``Mul`` and
     ``Add`` (bf16 artifacts, which the runtime runs on OpenVINO: :func:`ortmodule_fused`'s rewrite);
     ``conv_patches``: convolution weight gradients as products over input windows (bf16 artifacts: OpenVINO's plugin
-    compiles no kernel of dynamic size; :func:`openvino_training`'s rewrite)."""
+    compiles no kernel of dynamic size; :func:`openvino_graphs`' rewrite)."""
     steps = [
         Step("expand_cross_entropy", ExpandCrossEntropyPass(),
              "after autodiff: the SoftmaxCrossEntropyLoss rule builds the cheaper backward"),
