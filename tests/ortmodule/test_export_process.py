@@ -114,6 +114,35 @@ def test_what_keeps_the_export_in_this_process(monkeypatch):
         export_process.enabled()
 
 
+def test_debug_options_choose_the_child_over_the_environment(monkeypatch):
+    """``DebugOptions(export_process=...)`` decides where the environment says otherwise; a bad value is refused
+    when the options are made. (The child is stood in for: it records the call and declines, so the export
+    runs here and trains as eager.)"""
+    asked = []
+
+    def declined(ortmodule, args, kwargs, tensors):
+        asked.append(type(ortmodule.module).__name__)
+        raise export_process.ChildUnavailable("declined by the test")
+
+    monkeypatch.setattr(export_process, "export", declined)
+    x = torch.randn(3, 4)
+    for option, env, child in (("spawn", "0", True), ("in-process", "spawn", False), (None, "spawn", True),
+                               (None, "0", False)):
+        monkeypatch.setenv(export_process.EXPORT_PROCESS_ENV, env)
+        asked.clear()
+        torch.manual_seed(0)
+        eager = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        model = ORTModule(copy.deepcopy(eager), DebugOptions(export_process=option))
+        for net in (eager, model):
+            net(x).sum().backward()
+        assert asked == (["Sequential"] if child else []), (option, env)
+        assert model.fallback_reason is None and model.export_count == 1
+        for got, want in zip(_grads(model), _grads(eager)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="export_process"):
+        DebugOptions(export_process="fork")
+
+
 _SCRIPT = textwrap.dedent("""
     import copy, gc, sys
     import torch

@@ -1,4 +1,5 @@
-"""The export and the training graphs built in a child process (``ONNXTRAIN_EXPORT_PROCESS=spawn``).
+"""The export and the training graphs built in a child process (``DebugOptions(export_process="spawn")`` or
+``ONNXTRAIN_EXPORT_PROCESS=spawn``).
 
 torch's ONNX exporter, onnxscript's op library and optimizer, and what they import and build once (sympy's,
 ``torch.export``'s and ``torch._functorch``'s modules) stay in a process once imported: BERT-small's RSS between
@@ -61,12 +62,23 @@ class ChildExportError(RuntimeError):
     """An export error whose class could not be made again in the training process (its name leads the text)."""
 
 
-def enabled() -> bool:
-    """Whether ``$ONNXTRAIN_EXPORT_PROCESS`` asks for the child (``spawn``; ``0`` or unset: in-process)."""
-    value = os.environ.get(EXPORT_PROCESS_ENV, "0").strip().lower()
-    if value not in ("0", "", "spawn"):
-        raise ValueError(f"{EXPORT_PROCESS_ENV}={value!r}: use 'spawn' (export in a child process) or '0'")
-    return value == "spawn"
+IN_PROCESS = ("0", "", "in-process")
+
+
+def enabled(option: str | None = None) -> bool:
+    """Whether the export runs in the child: ``option`` (``DebugOptions.export_process``: ``"spawn"`` or
+    ``"in-process"``) where given, else ``$ONNXTRAIN_EXPORT_PROCESS`` (``spawn``; ``0`` or unset: in-process)."""
+    if option is not None:
+        return check(option, "DebugOptions(export_process=...)") == "spawn"
+    return check(os.environ.get(EXPORT_PROCESS_ENV, "0"), EXPORT_PROCESS_ENV) == "spawn"
+
+
+def check(value: str, where: str) -> str:
+    """``value`` normalized (``"spawn"``, or ``"in-process"`` for ``0``, empty and itself); a clear error else."""
+    value = str(value).strip().lower()
+    if value not in IN_PROCESS + ("spawn",):
+        raise ValueError(f"{where}={value!r}: use 'spawn' (export in a child process) or 'in-process' ('0')")
+    return value if value == "spawn" else "in-process"
 
 
 def why_not(ortmodule, tensors: list[torch.Tensor]) -> str | None:
@@ -147,7 +159,8 @@ def _child(request: Path, response: Path) -> None:
 
     torch.set_num_threads(asked["threads"])
     module, args, kwargs = asked["module"], asked["args"], asked["kwargs"]
-    ortmodule = ORTModule(module, dataclasses.replace(asked["debug"], fallback=False), asked["backend"])
+    ortmodule = ORTModule(module, dataclasses.replace(asked["debug"], fallback=False, export_process="in-process"),
+                          asked["backend"])
     recorded: list = []
     try:
         with torch.set_grad_enabled(asked["grad"]):

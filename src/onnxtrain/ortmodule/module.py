@@ -172,9 +172,9 @@ class ORTModule(torch.nn.Module):
         return graphs
 
     def _in_child(self, key, args, kwargs, tensors) -> SchemaGraphs | None:
-        """The schema's graphs made in a child process (``ONNXTRAIN_EXPORT_PROCESS=spawn``:
+        """The schema's graphs made in a child process (``DebugOptions.export_process``, ``$ONNXTRAIN_EXPORT_PROCESS``:
         :mod:`onnxtrain.ortmodule.export_process`), or None where the export runs here (the reason logged)."""
-        if not export_process.enabled():
+        if not export_process.enabled(self._debug.export_process):
             return None
         reason = export_process.why_not(self, tensors)
         if reason is None:

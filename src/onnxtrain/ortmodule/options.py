@@ -135,6 +135,11 @@ class DebugOptions:
     ``$ORTMODULE_MEMORY_OPT_CONFIG`` if set, else the default plan (cheap pointwise ops only); a fraction
     of the stashed bytes to keep at most (``0.5``; ``0.0``: recompute all it can), a number of bytes, a
     string (``"0.5"``, ``"300MB"``, ``"off"``), or a ``Recompute``. The plan is logged at INFO.
+
+    ``export_process``: ``"spawn"`` makes each input schema's first export and its training graphs in a child
+    process, so that the exporter's modules (about 75 MB for BERT-small) never load where the model trains
+    (:mod:`onnxtrain.ortmodule.export_process`; the first call takes a few seconds more); ``"in-process"``
+    exports here; None (default): ``$ONNXTRAIN_EXPORT_PROCESS`` (``spawn``), else in-process.
     """
 
     log_level: LogLevel = field(default_factory=_env_log_level)
@@ -144,6 +149,7 @@ class DebugOptions:
     fallback: bool | None = None
     verify: bool | None = None
     recompute: float | int | str | Recompute | None = None
+    export_process: str | None = None
 
     def __post_init__(self):
         if isinstance(self.log_level, str):
@@ -158,6 +164,10 @@ class DebugOptions:
             self.verify = _env_verify()
         if self.recompute is not None:
             self.recompute = Recompute.of(self.recompute)  # a bad value fails here, not at the first step
+        if self.export_process is not None:
+            from onnxtrain.ortmodule.export_process import check
+
+            self.export_process = check(self.export_process, "DebugOptions(export_process=...)")
 
     def recompute_plan(self) -> Recompute:
         """The recompute plan for graphs built now: the option, else the environment's, else the default."""
