@@ -288,8 +288,7 @@ def _land(ortmodule, answer: dict, tensors: list[torch.Tensor]):
             setattr(target, name, value)
     guards = guarding.Guards(reads=reads, global_reads=globals_read)
     guards.paths = {id(m): p for p, m in modules.items()}
-    guards.fast = guarding._Check(reads, globals_read, list(module.modules()))
-    guards.layout, guards.global_layout = guards.fast.layout, guards.fast.global_layout
+    guards.arm(module)
     graphs = answer["graphs"]
     graphs.guards = guards
     for flags, (training, (proto, options)) in answer["trainings"].items():

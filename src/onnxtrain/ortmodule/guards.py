@@ -90,6 +90,11 @@ class Guards:
     # (owner, name, value the export left) for the values read that the forward itself changed
     changed_by_export: list[tuple[object, str, object]] = field(default_factory=list)
 
+    def arm(self, module: torch.nn.Module) -> None:
+        """Make the fast check of ``reads`` and ``global_reads`` over ``module``'s tree, with its layout."""
+        self.fast = _Check(self.reads, self.global_reads, list(module.modules()))
+        self.layout, self.global_layout = self.fast.layout, self.fast.global_layout
+
     def hold(self) -> bool:
         if self.fast is not None:
             return self.fast.hold()
@@ -248,8 +253,7 @@ def recording(module: torch.nn.Module):
                                     for owner, name, value in guards.reads
                                     if not _same(value, owner.__dict__.get(name, _MISSING))]
         guards.global_reads = _globals_read(codes)
-        guards.fast = _Check(guards.reads, guards.global_reads, list(module.modules()))
-        guards.layout, guards.global_layout = guards.fast.layout, guards.fast.global_layout
+        guards.arm(module)
 
 
 def _lend(obj, subclasses: dict, swapped: list, make) -> bool:

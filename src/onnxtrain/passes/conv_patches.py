@@ -55,12 +55,7 @@ def _static(value: ir.Value | None) -> bool:
 
 
 def _ints(value: ir.Value | None) -> list[int] | None:
-    if value is None:
-        return None
-    tensor = value.const_value
-    if tensor is None and value.producer() is not None and value.producer().op_type == "Constant":
-        attr = value.producer().attributes.get("value")
-        tensor = attr.value if attr is not None else None
+    tensor = None if value is None else ir.convenience.get_const_tensor(value)
     return None if tensor is None else [int(v) for v in tensor.numpy().reshape(-1)]
 
 
