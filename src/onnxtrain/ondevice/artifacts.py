@@ -42,11 +42,18 @@ from onnxtrain.blocks.loss import (
     MSELoss,
 )
 from onnxtrain.ondevice import checkpoint as ckpt
-from onnxtrain.ondevice.format import LOSS_SCALE, LOSS_SCALING_FORMAT, TRAINING_METADATA_KEY, TRAINING_MODEL_FORMAT
+from onnxtrain.ondevice.format import (
+    LOSS_SCALE,
+    LOSS_SCALING_FORMAT,
+    ROW_GRADIENTS_FORMAT,
+    TRAINING_METADATA_KEY,
+    TRAINING_MODEL_FORMAT,
+)
 from onnxtrain.runtime import backends
 from onnxtrain.runtime.openvino_float32 import float32_sums
 from onnxtrain.ondevice.input_ranges import input_ranges
 from onnxtrain.passes import pipeline
+from onnxtrain.passes.defer_row_scatters import defer_row_scatters
 from onnxtrain.passes.precision import apply_precision
 from onnxtrain.passes.recompute import Recompute
 from onnxtrain.utils.atomic import atomic_file_set, refuse_existing
@@ -286,7 +293,8 @@ def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
 def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Recompute | None = None,
                          scaler: LossScaler | None = None, target: str = "default",
                          chunk_loss: bool = True, float32_sums: bool = False,
-                         erf_cdf: bool = False, conv_patches: bool = False) -> onnx.ModelProto:
+                         erf_cdf: bool = False, conv_patches: bool = False,
+                         row_gradients: bool = False) -> onnx.ModelProto:
     """Add the gradients of the loss w.r.t. the trainable parameters to the eval model. ``chunk_loss``: a
     language model's loss may be computed in row blocks where ``recompute`` asks for a budget below 1
     (:mod:`onnxtrain.passes.chunk_cross_entropy`). ``float32_sums``: the row sums that no product also reads
@@ -294,6 +302,9 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Rec
     ``ReduceSum`` in float32). ``erf_cdf``: GELU's gradient's ``HardSigmoid`` as ``Mul`` and ``Add``
     (:mod:`onnxtrain.passes.erf_cdf`; bf16 artifacts, run on OpenVINO). ``conv_patches``: convolution weight
     gradients as products over input windows (:mod:`onnxtrain.passes.conv_patches`; bf16 artifacts too).
+    ``row_gradients``: an embedding's gradient leaves the graph as its token ids and rows, which the runtime adds
+    (:mod:`onnxtrain.passes.defer_row_scatters`; training model format 4, bf16 artifacts: OpenVINO's scatter
+    wrote the whole table of zeros every step).
 
     With a ``scaler`` the gradients are those of ``loss * loss_scale``, a float32 scalar input after the
     parameters (the gradient seed is the scale; :mod:`onnxtrain.blocks.loss_scale`)."""
@@ -324,11 +335,32 @@ def build_training_model(eval_proto: onnx.ModelProto, info: dict, recompute: Rec
                                          conv_patches=conv_patches)
     model = passes(model)
     meta = {k: info[k] for k in ("user_inputs", "outputs", "trainable", "frozen", "input_checks")}
+    if row_gradients:
+        rows = _defer_row_gradients(model, num_outputs, info["trainable"], [g.name for g in grads])
+        if rows:
+            extra, meta["row_gradients"] = {**extra, "format": ROW_GRADIENTS_FORMAT}, rows
     if recompute is not None and any(c.on for c in passes.step("recompute").plan.candidates):
         meta["recomputed"] = True  # the runtime keeps onnxruntime from merging the clones back (module.py)
     model.metadata_props[TRAINING_METADATA_KEY] = json.dumps({**meta, "kind": "training", **extra,
                                                               "gradients": [g.name for g in grads]})
     return ir_version_for_onnxruntime(ir.to_proto(model))
+
+
+def _defer_row_gradients(model: ir.Model, num_outputs: int, trainable: list[str], names: list[str]) -> dict:
+    """The gradients of ``trainable`` (outputs ``names``, after the first ``num_outputs``) made by row scatters,
+    rewritten to return their ids and rows; the training metadata's ``row_gradients`` (docs/format.md)."""
+    plan = defer_row_scatters(model, only=range(num_outputs, num_outputs + len(trainable)))
+    outputs = list(model.graph.outputs)
+    rows: dict[str, dict] = {}
+    for scatter in plan.scatters:
+        k = scatter.gradient - num_outputs
+        entry = rows.setdefault(trainable[k], {"ids": [], "rows": [], "base": False})
+        entry["ids"].append(outputs[scatter.ids].name)
+        entry["rows"].append(outputs[scatter.rows].name)
+        if scatter.base is not None:  # the sum's other terms: the gradient output, which the rows are added into
+            entry["base"] = True
+            outputs[scatter.base].name = names[k]
+    return rows
 
 
 def _seed_of_one(graph: ir.Graph, loss_value: ir.Value) -> ir.Value:
@@ -439,7 +471,8 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
                                           chunk_loss=precision == "fp32" and target != "web",
                                           float32_sums=float32_sums(precision),
                                           erf_cdf=precision == "bf16" and target != "web",
-                                          conv_patches=precision == "bf16" and target != "web")
+                                          conv_patches=precision == "bf16" and target != "web",
+                                          row_gradients=precision == "bf16" and target != "web")
     eval_proto = ir.to_proto(pipeline.artifacts_eval_export()(ir.from_proto(eval_proto)))
     if precision == "fp16":  # the products run in float16 in the graphs themselves, on any runtime
         training_proto, eval_proto = (apply_precision(p, "fp16") for p in (training_proto, eval_proto))

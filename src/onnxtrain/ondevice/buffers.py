@@ -6,7 +6,8 @@ Parameters and optimizer states are double-buffered: the optimizer graph reads o
 other, then the two swap (``current`` flips), so no buffer is ever bound as both an input and an output.
 
 This object owns the gradients' state too: after :meth:`reset_grad` they count as zero, and whoever
-reads them next (a training step or an optimizer step) asks this object how.
+reads them next (a training step or an optimizer step) asks this object how. An embedding's gradient that the
+runtime adds row by row (:meth:`add_rows`, training model format 4) is cleared by the rows it wrote, not whole.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class FlatBuffers:
         self.grad_views = layout.views(self.grads)
         self._states: dict[str, _DoubleBuffer] = {}
         self._grads_zero = True  # gradients count as zero until a training step writes them
+        # Per parameter whose gradient add_rows writes: its rows written since its vector was last all zeros.
+        self._rows_written: dict[str, np.ndarray] = {}
 
     # -- parameters and optimizer states -------------------------------------------------------
     def params(self, copy: int | None = None) -> dict[str, np.ndarray]:
@@ -127,5 +130,51 @@ class FlatBuffers:
         if self._grads_zero:
             for flat in self.grads.values():
                 flat.fill(0)
+            self._rows_written.clear()
             self._grads_zero = False
         return self.grads
+
+    def add_rows(self, name: str, ids: np.ndarray, rows: np.ndarray, into_zeros: bool) -> None:
+        """Add ``rows[i]`` into row ``ids[i]`` of ``name``'s gradient, as ``ScatterElements`` with ``reduction="add"``
+        (the rows of a repeated id in their order); ``into_zeros``: into zeros instead of the gradient there (only
+        the rows this method wrote since the vector was last zero-filled are cleared, not the whole table)."""
+        view = self.grad_views[name]
+        if into_zeros:
+            view[self._rows_written.pop(name, _NO_ROWS)] = 0
+        ids, sums = sum_rows(ids, rows, len(view))
+        view[ids] += sums
+        self._rows_written[name] = np.union1d(self._rows_written.get(name, _NO_ROWS), ids)
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
+def sum_rows(ids: np.ndarray, rows: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ids of ``ids`` (indices into ``size`` rows; negative ones count from the end, as ONNX's) and
+    for each the sum of its ``rows``: added in their order, as a scatter-add adds them (the same values), for an id
+    of at most 16 rows; numpy's sum (its own order) for one of more, a run one row at a time would take 1-3 ms."""
+    ids = ids.reshape(-1)
+    if len(ids) != len(rows):
+        raise ValueError(f"{len(ids)} ids for {len(rows)} gradient rows")
+    if not ids.size:
+        return ids, rows
+    if ids.min() < -size or ids.max() >= size:
+        raise IndexError(f"a row id outside [-{size}, {size}) in an embedding gradient")
+    ids = np.where(ids < 0, ids + size, ids)
+    order = np.argsort(ids, kind="stable")
+    ids, rows = ids[order], rows[order]
+    starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
+    if len(starts) == len(ids):
+        return ids, rows
+    counts = np.diff(np.append(starts, len(ids)))
+    sums = rows[starts]
+    short = np.flatnonzero(counts <= _FEW)  # token ids, mostly distinct: the k-th rows of the runs that long, in turn
+    for k in range(1, int(counts[short].max(initial=1))):
+        runs = short[counts[short] > k]
+        sums[runs] += rows[starts[runs] + k]
+    for run in np.flatnonzero(counts > _FEW):  # a few long runs (a type or position id): numpy's sum each
+        sums[run] = rows[starts[run]:starts[run] + counts[run]].sum(axis=0)
+    return ids[starts], sums
+
+
+_FEW = 16

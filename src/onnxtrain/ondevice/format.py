@@ -16,6 +16,11 @@ TRAINING_MODEL_FORMAT = 2
 # metadata a ``loss_scaling`` object. Only such models are format 3; a reader must refuse a format above
 # the ones it knows.
 LOSS_SCALING_FORMAT = 3
+# 4: bf16 artifacts whose embedding gradients the runtime adds: the training model returns each such gradient's
+# token ids and rows (metadata ``row_gradients``) instead of scattering them into a table of zeros.
+ROW_GRADIENTS_FORMAT = 4
+# The newest format this runtime trains; it refuses a model of a format above it.
+NEWEST_FORMAT = 4
 # Model metadata holding the optimizer model's layout and hyperparameters.
 OPTIMIZER_METADATA_KEY = "onnxtrain.optimizer"
 

@@ -66,6 +66,9 @@ class Runner:
         self.uri = uri
         self.user_inputs = meta["user_inputs"]
         self.outputs = meta["outputs"]
+        # Training models of format 4: the ids and rows of the embedding gradients the runtime adds itself
+        self.row_outputs = [name for entry in meta.get("row_gradients", {}).values()
+                            for pair in zip(entry["ids"], entry["rows"]) for name in pair]
         self.params = meta["trainable"] + meta["frozen"] + ([LOSS_SCALE] if meta.get("loss_scaling") else [])
         self.input_types = {i.name: ORT_TYPES.get(i.type) for i in session.get_inputs()}
         self.checker = InputChecker(session, self.user_inputs, meta.get("input_checks", {}))
@@ -73,13 +76,14 @@ class Runner:
 
     def new_binding(self, arrays: dict[str, np.ndarray], outputs: dict[str, np.ndarray] | None = None) -> ort.IOBinding:
         """A binding with ``arrays`` (parameter name -> array) as inputs and ``outputs`` (output name ->
-        array) written in place; the model's own outputs are bound first, so they come first."""
+        array) written in place; the model's own outputs are bound first, so they come first (then the row
+        outputs)."""
         binding = self.session.io_binding()
         for name in self.params:
             value = ortvalue(arrays[name])
             self._keep.append(value)
             binding.bind_ortvalue_input(name, value)
-        for name in self.outputs:
+        for name in self.outputs + self.row_outputs:
             binding.bind_output(name, "cpu")
         for name, array in (outputs or {}).items():
             value = ortvalue(array)
@@ -111,9 +115,10 @@ class Runner:
                 binding.bind_cpu_input(name, array)
 
     def run(self, binding: ort.IOBinding, inputs) -> list[np.ndarray]:
+        """The model's outputs, then its row outputs (:attr:`row_outputs`)."""
         self._bind_inputs(binding, inputs)
-        for name in self.outputs:
+        for name in self.outputs + self.row_outputs:
             binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding)
         values = binding.get_outputs()
-        return [values[i].numpy() for i in range(len(self.outputs))]
+        return [values[i].numpy() for i in range(len(self.outputs) + len(self.row_outputs))]

@@ -13,12 +13,14 @@ zeros of the parameter's shape. When the scatter is one term of a sum (a weight 
 projection, GPT-2's ``wte``), the graph returns the other terms' sum, and the caller adds the rows into
 it in place. Every scatter term of the sum is deferred (BART's table is looked up by its encoder and its
 decoder and is its output projection): the caller then sees each lookup's ids, which is what PyTorch's
-``padding_idx`` needs (:mod:`onnxtrain.ortmodule.function`). The on-device runtime keeps the scatter: it
-must run on onnxruntime alone.
+``padding_idx`` needs (:mod:`onnxtrain.ortmodule.function`). The on-device runtime adds the rows itself, with
+numpy, in bf16 artifacts (:mod:`onnxtrain.ondevice.rows`: OpenVINO's scatter wrote a table of zeros each step);
+other artifacts keep the scatter, as the conformance fixtures and onnxruntime-web run them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,8 +53,9 @@ class RowScatters:
     partial: set[int] = field(default_factory=set)
 
 
-def defer_row_scatters(model: ir.Model) -> RowScatters:
+def defer_row_scatters(model: ir.Model, only: Container[int] | None = None) -> RowScatters:
     """Rewrite ``model``'s outputs made by a row scatter-add (in place); return how to finish them.
+    ``only``: the positions of the outputs that may be rewritten (None: any).
 
     Outputs of any other form stay, in their order; ids and rows come after them.
     """
@@ -62,7 +65,7 @@ def defer_row_scatters(model: ir.Model) -> RowScatters:
     new_outputs: list[ir.Value] = []
     found: list[tuple[int, ir.Value | None, list[tuple[ir.Value, ir.Value]]]] = []
     for position, output in enumerate(outputs):
-        rewrite = _rewrite(graph, output, outputs)
+        rewrite = _rewrite(graph, output, outputs) if only is None or position in only else None
         if rewrite is None:
             kept.append(position)
             new_outputs.append(output)
