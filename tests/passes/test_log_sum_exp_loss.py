@@ -66,6 +66,20 @@ def test_loss_and_probabilities_match_numpy(reduction, ignore_index):
         np.testing.assert_allclose(ours[1], scaled, rtol=1e-5, atol=1e-7)
 
 
+def test_the_gradient_reuses_the_forward_exponentials():
+    """One exponential over the [N, C] scores, the forward's: the gradient's probabilities are that ``Exp``
+    times ``1 / s`` (an [N, C] multiply), not a second ``Exp`` over the scores (OpenVINO's plugin spent most of
+    that pass computing it). The values: test_loss_and_probabilities_match_numpy."""
+    out = onnx.shape_inference.infer_shapes(log_sum_exp_loss(_model("mean")))
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+              for v in [*out.graph.value_info, *out.graph.output]}
+    wide = [n for n in out.graph.node if n.op_type == "Exp" and shapes.get(n.output[0]) == [N, C]]
+    assert len(wide) == 1
+    probabilities = next(n for n in out.graph.node if "scaled" in n.output).input[0]
+    producer = next(n for n in out.graph.node if probabilities in n.output)
+    assert producer.op_type == "Mul" and wide[0].output[0] in producer.input
+
+
 def test_all_rows_ignored_gives_what_the_op_gives():
     proto = _model("mean")
     x = np.zeros((N, C), np.float32)
