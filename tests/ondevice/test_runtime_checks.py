@@ -133,7 +133,8 @@ def test_optimizer_reads_one_copy_and_writes_the_other(mlp_artifacts):
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((4, 16)).astype(np.float32), rng.integers(0, 5, 4)
     buffers = module.buffers
-    for src, binding in enumerate(optimizer._bindings):  # reads copy src, writes the other copy
+    for src, ranges in enumerate(optimizer._bindings):  # reads copy src, writes the other copy
+        (binding,) = ranges  # the MLP's vectors are one chunk: one call over all of it
         written = {v.data_ptr() for v in binding.get_outputs()}
         copies = [{buffers.params(c)["float32"].ctypes.data} | {buffers.states(s, c)["float32"].ctypes.data
                                                                 for s in ("exp_avg", "exp_avg_sq")} for c in (0, 1)]

@@ -174,9 +174,11 @@ def _clip_coefficient(op: GraphBuilder, grads: list[ir.Value], max_norm: float) 
     return op.Min(op.Div(f(max_norm), op.Add(total, f(CLIP_EPS))), f(1.0))
 
 
-def _flat_input(name: str, group: dict) -> ir.Value:
+def _flat_input(name: str, group: dict, per_row: bool) -> ir.Value:
+    """``per_row``: the first axis is symbolic (``chunks.T``): a runtime may run the model on a range of rows."""
     dtype = ir.DataType.from_numpy(np.dtype(group["dtype"]))
-    return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape([group["chunks"], group["chunk"]]))
+    rows = f"chunks.{group['dtype']}" if per_row else group["chunks"]
+    return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape([rows, group["chunk"]]))
 
 
 def _as_outputs(op: GraphBuilder, values: list[ir.Value], sources: list[ir.Value]) -> list[ir.Value]:
@@ -227,7 +229,9 @@ def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dty
     scale and count (:mod:`onnxtrain.blocks.loss_scale`).
 
     ``scan=False`` applies the update to the whole vectors instead of chunk by chunk (same inputs, outputs
-    and layout): onnxruntime-web's ``Scan`` costs more than the cache it saves (docs/web.md, "Web artifacts")."""
+    and layout): onnxruntime-web's ``Scan`` costs more than the cache it saves (docs/web.md, "Web artifacts").
+    With ``scan`` and neither clipping nor a scaler, the vectors' first axis is symbolic (``chunks.T``): each
+    row's update reads only that row, so a runtime may run the model on ranges of rows (docs/format.md)."""
     if not params:
         raise ValueError("the optimizer needs at least one trainable parameter")
     groups = _group_layout(params)
@@ -239,9 +243,12 @@ def build_optimizer_model(optimizer: AdamW | SGD, params: list[tuple[str, np.dty
         scale = ir.Value(name=LOSS_SCALE, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]))
         good = ir.Value(name=GOOD_STEPS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
         inputs += [scale, good]
+    # Without a sum over every gradient (clipping's norm, loss scaling's inf check) the update is row by row: the
+    # Scan form declares its rows symbolic, and the runtime may update ranges of rows in parallel (ondevice/optimizer.py).
+    per_row = scan and scaler is None and optimizer.max_grad_norm is None
     flat = {}
     for group in groups:
-        p, g, *states = (_flat_input(flat_name(n, group["dtype"]), group)
+        p, g, *states = (_flat_input(flat_name(n, group["dtype"]), group, per_row)
                          for n in (PARAMS, GRADIENTS, *optimizer.states))
         inputs += [p, g, *states]
         flat[group["dtype"]] = (p, g, states)
