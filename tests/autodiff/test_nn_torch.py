@@ -213,3 +213,26 @@ def test_dropout_mask_added_when_the_forward_omits_it():
                                                                "training": np.array(True)})
     kept = y != 0  # y = x * mask * 2, and x has no zeros
     assert_close(got["x"], seeds["y_grad"] * kept * 2.0, "Dropout grad of x")
+
+
+@pytest.mark.parametrize("kernel,stride,pad,ceil", [(3, 2, 1, False), (2, 2, 0, True), (3, 1, 1, False)])
+def test_max_pool2d_ties_go_to_the_first_maximum_as_in_torch(kernel, stride, pad, ceil):
+    """Without an Indices output the gradient finds each window's maximum again: where several elements tie
+    (ReLU's zeros, rounded values), PyTorch's CPU kernel gives it to the first in the window's row-major order."""
+    x = np.maximum(np.round(f32(2, 3, 7, 6) * 2), 0).astype(np.float32)  # many equal values, many zeros
+    node = helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[kernel] * 2, strides=[stride] * 2,
+                            pads=[pad] * 4, ceil_mode=int(ceil))
+    (y,), seeds, got = run_grad(node, {"x": x}, ["x"], dims={("x", 0): "N", ("x", 2): "H"})
+    pool = lambda x: TF.max_pool2d(x, kernel, stride, pad, ceil_mode=ceil)  # noqa: E731
+    want = torch_grads(pool, seeds["y_grad"], x=x)
+    assert_close(got["x"], want["x"], "MaxPool grad of x with ties")
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_max_pool_1d_3d_without_indices_matches_torch(rank):
+    x = np.maximum(np.round(f32(2, 3, *[6] * rank) * 2), 0).astype(np.float32)  # ties included
+    node = helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[3] * rank, strides=[2] * rank, pads=[1] * 2 * rank)
+    (y,), seeds, got = run_grad(node, {"x": x}, ["x"], dims={("x", 0): "N"})
+    pool = getattr(TF, f"max_pool{rank}d")
+    want = torch_grads(lambda x: pool(x, 3, 2, 1), seeds["y_grad"], x=x)
+    assert_close(got["x"], want["x"], f"MaxPool{rank}d grad of x")

@@ -18,7 +18,7 @@ import torch.nn.functional as TF
 from onnx import helper
 
 from onnxtrain.autodiff import gradient_model
-from onnxtrain.passes.conv_patches import ConvPatchesPass
+from onnxtrain.passes.conv_patches import ConvColumnsPass, ConvPatchesPass
 from onnxtrain.runtime import backends
 
 RNG = np.random.default_rng(7)
@@ -66,9 +66,9 @@ def _gradient_graph(case: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray], 
     return gradient_model(model, wrt=["x", "w"], outputs=["y"]), feeds, {"x": xt.grad.numpy(), "w": wt.grad.numpy()}
 
 
-def _rewritten(model: onnx.ModelProto) -> onnx.ModelProto:
+def _rewritten(model: onnx.ModelProto, rewrite=ConvPatchesPass) -> onnx.ModelProto:
     graph = ir.from_proto(model)
-    assert ConvPatchesPass()(graph).modified
+    assert rewrite()(graph).modified
     return ir.to_proto(graph)
 
 
@@ -92,6 +92,24 @@ def test_weight_gradient_as_patches_matches_torch(case):
     got = _grads(ort.InferenceSession(rewritten.SerializeToString(), providers=["CPUExecutionProvider"]), feeds)
     for name in ("x", "w"):
         np.testing.assert_allclose(got[f"{name}_grad"], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("case", sorted(set(CASES) - {"conv2d-groups", "depthwise-7x7"}))
+def test_weight_gradient_as_stacked_columns_matches_torch(case):
+    """ConvColumnsPass (onnxruntime): every window stacked, one Gemm; ungrouped kernels of at most 16 positions."""
+    model, feeds, want = _gradient_graph(case)
+    rewritten = _rewritten(model, ConvColumnsPass)
+    assert _dynamic_kernels(rewritten) == []
+    assert any(n.op_type == "Gemm" for n in rewritten.graph.node)
+    got = _grads(ort.InferenceSession(rewritten.SerializeToString(), providers=["CPUExecutionProvider"]), feeds)
+    for name in ("x", "w"):
+        np.testing.assert_allclose(got[f"{name}_grad"], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("case", ["conv2d-groups", "depthwise-7x7"])
+def test_columns_leave_groups_and_large_kernels_alone(case):
+    graph = ir.from_proto(_gradient_graph(case)[0])
+    assert not ConvColumnsPass()(graph).modified
 
 
 @openvino

@@ -245,6 +245,8 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
         refusal = openvino.dynamic_kernel(model.graph)
         if refusal is not None:
             raise BackendRefusal(f"OpenVINO cannot compile the training graph: {refusal}")
+    elif graphs.device.type == "cpu":  # measured on onnxruntime's CPU kernels only
+        model = pipeline.onnxruntime_graphs()(model)
     no_fusion = (fusion.why_not(graphs.backend, graphs.random, graphs.mutated_buffers, user_outputs, diff_outputs)
                  if fused_step() else f"{FUSED_STEP_ENV}=0")
     joint = None if no_fusion else ir_version_for_onnxruntime(ir.to_proto(model))  # before the split takes it apart

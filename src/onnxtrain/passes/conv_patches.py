@@ -36,18 +36,33 @@ from onnxtrain.autodiff.builder import GraphBuilder
 
 _DOMAINS = ("", "ai.onnx")
 MAX_POSITIONS = 1024  # output positions (a forward kernel's size) rewritten at most: a Slice and a MatMul each
+MAX_COLUMNS = 16  # ConvColumnsPass: positions stacked at most (their windows are that many copies of the input)
 
 
 class ConvPatchesPass(ir.passes.InPlacePass):
+    """One product per output position (OpenVINO: its plugin compiles no kernel of dynamic size)."""
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        graph = model.graph
-        modified = False
-        for node in list(graph):
-            positions = _positions(node)
-            if positions is not None:
-                _rewrite(graph, node, positions)
-                modified = True
-        return ir.passes.PassResult(model, modified=modified)
+        return _rewrite_each(model, _positions, _rewrite)
+
+
+class ConvColumnsPass(ir.passes.InPlacePass):
+    """All positions' windows stacked and one ``Gemm`` (onnxruntime, where the ``Conv`` runs one small product
+    per image of its batch): see the module's docstring."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        return _rewrite_each(model, _column_positions, _rewrite_columns)
+
+
+def _rewrite_each(model: ir.Model, match, rewrite) -> ir.passes.PassResult:
+    graph = model.graph
+    modified = False
+    for node in list(graph):
+        positions = match(node)
+        if positions is not None:
+            rewrite(graph, node, positions)
+            modified = True
+    return ir.passes.PassResult(model, modified=modified)
 
 
 def _static(value: ir.Value | None) -> bool:
@@ -82,17 +97,61 @@ def _positions(node: ir.Node) -> list[int] | None:
     return ends
 
 
+def _column_positions(node: ir.Node) -> list[int] | None:
+    """:func:`_positions` for :class:`ConvColumnsPass`: ungrouped, at most :data:`MAX_COLUMNS` positions."""
+    positions = _positions(node)
+    if positions is None or node.attributes.get_int("group", 1) != 1 or math.prod(positions) > MAX_COLUMNS:
+        return None
+    return positions
+
+
+class _Windows:
+    """What both rewrites read: the node's attributes and, per output position, its input window."""
+
+    def __init__(self, graph: ir.Graph, node: ir.Node, positions: list[int], what: str):
+        self.x, self.w = node.inputs[0], node.inputs[1]
+        self.crop = next(iter(node.outputs[0].uses()))[0]
+        n = self.n = len(positions)
+        self.strides = list(node.attributes.get_ints("strides", [1] * n))
+        dilations = list(node.attributes.get_ints("dilations", [1] * n))
+        self.group = node.attributes.get_int("group", 1)
+        b = self.b = GraphBuilder((v.name for v in _values(graph)), prefix=f"{node.name or 'Conv'}/{what}")
+        self.axes, self.steps = b.ints(list(range(2, 2 + n))), b.ints(dilations)
+        # (Q - 1) * e + 1 per axis: the input span of one output position's window, Q the kernel's run time length
+        self.span = b.Add(b.Mul(b.Sub(b.Slice(b.Shape(self.w), b.ints([2]), b.ints([2 + n])), b.ints([1])),
+                                self.steps), b.ints([1]))
+
+    def window(self, p: tuple[int, ...]) -> ir.Value:
+        """The input window of output position ``p``: ``[B, C, Q...]``."""
+        b = self.b
+        start = b.ints([q * s for q, s in zip(p, self.strides)])
+        return b.Slice(self.x, start, b.Add(start, self.span), self.axes, self.steps)
+
+    def replace(self, graph: ir.Graph, node: ir.Node, y: ir.Value) -> None:
+        out = self.crop.outputs[0]
+        y.shape, y.type = out.shape, out.type
+        ir.convenience.replace_nodes_and_values(graph, node, [node, self.crop], self.b.nodes, [out], [y])
+
+
+def _rewrite_columns(graph: ir.Graph, node: ir.Node, positions: list[int]) -> None:
+    """``Y[b, m, p] = sum over c, q of window_p[b, c, q] * W[m, c, q]`` as one ``Gemm``: the kernel ``[M, C * Q]``
+    times the windows stacked ``[B * P, C * Q]``, transposed by the ``Gemm`` itself (``transB``). Its product
+    ``[M, B, P...]`` is transposed to the node's ``[B, M, P...]``: the weight gradient transposes that back, and
+    onnxruntime drops the two transposes."""
+    win = _Windows(graph, node, positions, "columns")
+    b, count = win.b, math.prod(positions)
+    windows = [b.Unsqueeze(win.window(p), b.ints([1])) for p in itertools.product(*(range(k) for k in positions))]
+    stacked = b.Concat(*windows, axis=1) if count > 1 else windows[0]  # [B, P, C, Q...]
+    rows = b.Mul(b.Slice(b.Shape(win.x), b.ints([0]), b.ints([1])), b.ints([count]))  # B * P
+    columns = b.Reshape(stacked, b.Concat(rows, b.ints([-1]), axis=0))  # [B * P, C * Q]
+    products = b.Gemm(b.Reshape(win.w, b.ints([0, -1])), columns, transB=1)  # [M, B * P]
+    y = b.Reshape(products, b.ints([0, -1, *positions]))  # [M, B, P...]
+    win.replace(graph, node, b.Transpose(y, perm=[1, 0, *range(2, 2 + win.n)]))
+
+
 def _rewrite(graph: ir.Graph, node: ir.Node, positions: list[int]) -> None:
-    x, w = node.inputs[0], node.inputs[1]
-    crop = next(iter(node.outputs[0].uses()))[0]
-    n = len(positions)
-    strides = list(node.attributes.get_ints("strides", [1] * n))
-    dilations = list(node.attributes.get_ints("dilations", [1] * n))
-    group = node.attributes.get_int("group", 1)
-    b = GraphBuilder((v.name for v in _values(graph)), prefix=f"{node.name or 'Conv'}/patches")
-    axes, steps = b.ints(list(range(2, 2 + n))), b.ints(dilations)
-    # (Q - 1) * e + 1 per axis: the input span of one output position's window, Q the kernel's run time length
-    span = b.Add(b.Mul(b.Sub(b.Slice(b.Shape(w), b.ints([2]), b.ints([2 + n])), b.ints([1])), steps), b.ints([1]))
+    win = _Windows(graph, node, positions, "patches")
+    w, n, group, b = win.w, win.n, win.group, win.b
     # the kernel as [G, C / G * Q, Mg] (G == 1: [C * Q, M]), made once and read by every position's product
     kernel = b.Reshape(w, b.ints([0, -1]))  # [M, C / G * Q]
     if group > 1:
@@ -101,8 +160,7 @@ def _rewrite(graph: ir.Graph, node: ir.Node, positions: list[int]) -> None:
     kernel = b.Transpose(kernel, perm=[0, 2, 1] if group > 1 else [1, 0])
     products = []
     for p in itertools.product(*(range(k) for k in positions)):
-        start = b.ints([q * s for q, s in zip(p, strides)])
-        window = b.Slice(x, start, b.Add(start, span), axes, steps)  # [B, C, Q...]
+        window = win.window(p)  # [B, C, Q...]
         if group > 1:  # [G, B, C / G * Q]
             rows = b.Transpose(b.Reshape(window, b.ints([0, group, -1])), perm=[1, 0, 2])
         else:
@@ -111,10 +169,7 @@ def _rewrite(graph: ir.Graph, node: ir.Node, positions: list[int]) -> None:
     y = b.Concat(*products, axis=-1) if len(products) > 1 else products[0]
     if group > 1:
         y = b.Transpose(y, perm=[1, 0, 2, 3])  # [B, G, Mg, P]
-    y = b.Reshape(y, b.ints([0, -1, *positions]))
-    out = crop.outputs[0]
-    y.shape, y.type = out.shape, out.type
-    ir.convenience.replace_nodes_and_values(graph, node, [node, crop], b.nodes, [out], [y])
+    win.replace(graph, node, b.Reshape(y, b.ints([0, -1, *positions])))
 
 
 def _values(graph: ir.Graph):

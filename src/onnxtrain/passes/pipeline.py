@@ -36,7 +36,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from onnxtrain.passes.chunk_cross_entropy import ChunkCrossEntropyPass, chunks_for
-from onnxtrain.passes.conv_patches import ConvPatchesPass
+from onnxtrain.passes.conv_batch_gemm import ConvBatchGemmPass
+from onnxtrain.passes.conv_patches import ConvColumnsPass, ConvPatchesPass
 from onnxtrain.passes.erf_cdf import ErfCdfPass
 from onnxtrain.passes.expand_cross_entropy import ExpandCrossEntropyPass
 from onnxtrain.passes.initializers_to_inputs import InitializersToInputsPass
@@ -152,9 +153,26 @@ def openvino_graphs() -> Pipeline:
     graph after :func:`ortmodule_training` (before the split, so that the forward, backward and fused graphs all
     have it), and the inference graph after :func:`ortmodule_inference`."""
     return Pipeline("openvino_graphs", [
+        Step("conv_columns", ConvColumnsPass(),
+             "convolution weight gradients (kernels of dynamic size) as one product over the stacked input windows "
+             "where ungrouped and of at most 16 positions: the per-position products' Concat ran on the plugin's "
+             "reference kernel (ResNet-18's backward, docs/precision.md)"),
         Step("conv_patches", ConvPatchesPass(),
-             "convolution weight gradients (kernels of dynamic size) as products over input windows"),
+             "the other convolution weight gradients as products over input windows, one per position"),
         Step("squeeze_axes", SqueezeAxesPass(), "a Squeeze without axes has a dynamic rank in OpenVINO"),
+    ])
+
+
+def onnxruntime_graphs() -> Pipeline:
+    """The joint graph ORTModule runs on onnxruntime, after :func:`ortmodule_training` (before the split), the
+    counterpart of :func:`openvino_graphs`."""
+    return Pipeline("onnxruntime_graphs", [
+        Step("conv_columns", ConvColumnsPass(),
+             "convolution weight gradients as one product over the stacked input windows: onnxruntime's Conv runs "
+             "one small product per image there (ResNet-18's backward, docs/design.md)"),
+        Step("conv_batch_gemm", ConvBatchGemmPass(),
+             "convolutions and input gradients over small images (static sizes) as one product over the batch; "
+             "after conv_columns, whose Conv it leaves alone (a kernel of dynamic size)"),
     ])
 
 

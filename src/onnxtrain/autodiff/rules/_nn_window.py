@@ -11,6 +11,7 @@ windows and stays valid for dynamic batch and spatial sizes:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,6 +164,48 @@ def window_sum_adjoint(g: GradContext, dy: ir.Value, x: ir.Value, pads: Pads, wi
     one_map_like_x = b.Reshape(x, b.Concat(b.ints([-1, 1]), spatial_shape(g, x, n), axis=0))
     dx = crop(g, full, pads.begin, one_map_like_x, win, n)
     return b.Reshape(dx, b.Shape(x))
+
+
+def first_max_adjoint(g: GradContext, dy: ir.Value, x: ir.Value, y: ir.Value, pads: Pads, win: Window,
+                      n: int) -> ir.Value:
+    """The gradient of a max pooling without its indices: ``dy`` goes to the first element of each window (in
+    the kernel's row-major order, as PyTorch's CPU kernel picks it) equal to the window's maximum ``y``. Per
+    kernel offset ``p``, the strided window of the input padded with -inf, a mask of the elements equal to ``y``
+    that no earlier offset took, and ``dy`` there; the ``P`` results go back to the input's positions by one
+    pad-free ConvTranspose with a one-hot kernel per offset (a channel each), cropped as :func:`crop` does."""
+    b = g.b
+    extra = [s - 1 for s in win.strides]  # room for the last window of ceil_mode, as in window_counts
+    end = [e + s for e, s in zip(pads.end, extra)] if isinstance(pads.end, list) else b.Add(pads.end, b.ints(extra))
+    begin = pads.begin
+    if isinstance(begin, list) and isinstance(end, list):
+        pad_values = b.ints([0, 0, *begin, 0, 0, *end])
+    else:
+        two_zeros = b.ints([0, 0])
+        pad_values = b.Concat(two_zeros, _as_value(g, begin), two_zeros, _as_value(g, end), axis=0)
+    xp = b.Pad(x, pad_values, b.const(np.array(-np.inf, dtype=x.dtype.numpy())))
+    axes, steps = b.ints(list(range(2, 2 + n))), b.ints(win.strides)
+    span = b.Add(b.Mul(b.Sub(spatial_shape(g, dy, n), b.ints([1] * n)), steps), b.ints([1] * n))
+    zero = b.const(np.zeros((), dtype=x.dtype.numpy()))  # dy (a sum of fan-ins) may carry no dtype
+    offsets = list(itertools.product(*(range(k) for k in win.kernel)))
+    taken, parts = None, []
+    for k, p in enumerate(offsets):
+        start = b.ints([q * d for q, d in zip(p, win.dilations)])
+        hit = b.Equal(b.Slice(xp, start, b.Add(start, span), axes, steps), y)
+        if taken is not None:
+            hit = b.And(hit, b.Not(taken))
+        if k < len(offsets) - 1:
+            taken = hit if taken is None else b.Or(taken, hit)
+        parts.append(b.Unsqueeze(b.Where(hit, dy, zero), b.ints([2])))  # [N, C, 1, O...]
+    stacked = b.Concat(*parts, axis=2) if len(parts) > 1 else parts[0]  # [N, C, P, O...]
+    per_map = b.Reshape(stacked, b.Concat(b.ints([-1, len(offsets)]), spatial_shape(g, dy, n), axis=0))
+    one_hot = np.eye(len(offsets), dtype=x.dtype.numpy()).reshape(len(offsets), 1, *win.kernel)
+    kernel = b.const(one_hot)
+    kernel.shape = ir.Shape(one_hot.shape)  # static: OpenVINO compiles no kernel of unknown size
+    full = b.ConvTranspose(per_map, kernel, strides=win.strides, dilations=win.dilations)
+    one_map_like_x = b.Reshape(x, b.Concat(b.ints([-1, 1]), spatial_shape(g, x, n), axis=0))
+    dx = b.Reshape(crop(g, full, pads.begin, one_map_like_x, win, n), b.Shape(x))
+    dx.dtype = x.dtype  # dy (a sum of fan-ins) may carry none, and the rules after this one make constants like dx
+    return dx
 
 
 def ones_kernel(g: GradContext, win: Window, like: ir.Value) -> ir.Value:
