@@ -1,5 +1,5 @@
 """The optimizer model's rows are symbolic where each row's update reads only that row, and the runtime then runs
-a step as two calls at once on the two halves of the rows: the same values as one call over all of them, and as
+a step as calls on ranges of the rows from two threads: the same values as one call over all of them, and as
 PyTorch's AdamW."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _train(paths, threads: int, steps: int = 3):
     return len(optimizer._bindings[0]), {n: state.parameters[n].data.copy() for n in ("weight", "bias")}
 
 
-def test_two_halves_at_once_update_as_one_call_and_as_pytorch(wide):
+def test_ranges_of_rows_update_as_one_call_and_as_pytorch(wide):
     model, paths = wide
     parts, halves = _train(paths, threads=2)
     whole_parts, whole = _train(paths, threads=1)  # one thread: one call
