@@ -61,3 +61,22 @@ def test_a_squeeze_whose_output_rank_is_unknown_or_unchanged_is_left_alone(out_s
     if out_shape is None:
         model.graph.output[0].type.tensor_type.ClearField("shape")
     assert not SqueezeAxesPass()(ir.from_proto(model)).modified
+
+
+def test_a_squeeze_that_removes_no_axis_becomes_an_identity():
+    """Over ``x[N, M]`` (both sizes dynamic, never 1 where the traced graph runs) with an output of the same rank:
+    the Squeeze removes nothing. OpenVINO gives it a dynamic rank (refused by its CPU plugin); as an Identity it
+    computes the same values."""
+    inputs = [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", "M"])]
+    graph = helper.make_graph([helper.make_node("Squeeze", ["x"], ["y"])], "squeeze", inputs,
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", "M"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)
+    rewritten = _rewritten(model)
+    assert [n.op_type for n in rewritten.graph.node] == ["Identity"]
+    x = {"x": FEEDS["x"]}
+    want = ort.InferenceSession(model.SerializeToString()).run(None, x)[0]
+    np.testing.assert_array_equal(ort.InferenceSession(rewritten.SerializeToString()).run(None, x)[0], want)
+    if backends.openvino_installed():
+        from onnxtrain.runtime.openvino import OpenVINOSession
+
+        np.testing.assert_array_equal(OpenVINOSession(rewritten.SerializeToString()).run(None, x)[0], want)

@@ -31,7 +31,18 @@ def create_session(uri, session_options: ort.SessionOptions, device: str, what: 
     try:
         return backends.create_session(path, backend, precision, session_options, providers, disabled_optimizers)
     except Exception as exc:
-        raise ValueError(f"{backend} cannot load the {what} {path}: {exc}") from exc
+        raise ValueError(f"{backend} cannot load the {what} {path}: {exc}{_what_to_do(exc)}") from exc
+
+
+def _what_to_do(exc: Exception) -> str:
+    """The way out of a refusal the artifacts can avoid: float32 artifacts keep a convolution's weight gradient as
+    a convolution whose kernel is the output gradient, which OpenVINO's CPU plugin does not compile."""
+    from onnxtrain.runtime.openvino import DynamicKernelError
+
+    if not isinstance(exc, DynamicKernelError):
+        return ""
+    return (". Generate the artifacts with precision='bf16' (their convolution weight gradients are products over "
+            "input windows, which OpenVINO compiles) or run these on backend='onnxruntime'")
 
 
 def _providers(device: str) -> list[str]:

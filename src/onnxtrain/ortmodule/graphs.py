@@ -150,6 +150,7 @@ class SchemaGraphs:
     # and enters the backward graph as float32 (Training.seed_dtypes).
     output_casts: dict[int, ir.DataType] = field(default_factory=dict)
     inference: TorchSession | None = None
+    inference_refused: str | None = None  # why calls without gradients run in PyTorch (ORTModule._refuse_inference)
     training: dict[tuple[bool, ...], Training] = field(default_factory=dict)
     guards: Guards = field(default_factory=Guards)  # the Python values the graph holds as constants
     traced: tuple | None = None  # capture/structure.py's key, kept when the forward changed what it read
@@ -179,6 +180,7 @@ class SchemaGraphs:
             model = pipeline.ortmodule_inference()(ir.from_proto(self.base))
             if self.backend == "openvino":  # mBART's Squeeze without axes, as in the training graphs
                 model = pipeline.openvino_graphs()(model)
+                _refuse(model, "inference")
             self.inference = self._session(ir.to_proto(cast_outputs(model, self.output_casts)))
         return self.inference
 
@@ -242,9 +244,7 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
         save(model, "training")
     if graphs.backend == "openvino":  # what OpenVINO cannot compile: rewritten, else refused before any call
         model = pipeline.openvino_graphs()(model)
-        refusal = openvino.dynamic_kernel(model.graph)
-        if refusal is not None:
-            raise BackendRefusal(f"OpenVINO cannot compile the training graph: {refusal}")
+        _refuse(model, "training")
     elif graphs.device.type == "cpu":  # measured on onnxruntime's CPU kernels only
         model = pipeline.onnxruntime_graphs()(model)
     no_fusion = (fusion.why_not(graphs.backend, graphs.random, graphs.mutated_buffers, user_outputs, diff_outputs)
@@ -283,7 +283,18 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
 
 
 class BackendRefusal(RuntimeError):
-    """The backend cannot compile the training graph (ORTModule falls back before any graph runs)."""
+    """The backend cannot compile a graph (ORTModule runs that mode in PyTorch before any graph runs)."""
+
+
+def _refuse(model: ir.Model, kind: str) -> None:
+    """Raise :class:`BackendRefusal` where OpenVINO's CPU plugin would not compile ``model`` (the joint graph for
+    ``kind`` "training": the forward, the fused call and every backward graph made later are cut from it, and a
+    backward graph is compiled only at its first backward, too late to fall back), naming the node."""
+    refusal = openvino.dynamic_kernel(model.graph)
+    if refusal is None:
+        refusal = openvino.refusal(strip_stop_gradients(ir.to_proto(model)).SerializeToString())
+    if refusal is not None:
+        raise BackendRefusal(f"OpenVINO cannot compile the {kind} graph: {refusal}")
 
 
 def _fused_step(graphs: SchemaGraphs, training: Training, joint: onnx.ModelProto, num_forward_outputs: int,

@@ -106,6 +106,13 @@ class ORTModule(torch.nn.Module):
         except Exception as exc:  # noqa: BLE001 - any export/build failure falls back (or re-raises)
             self._fall_back(exc)
             return self._run_in_pytorch(args, kwargs)
+        if training is None and graphs.inference_refused is None and graphs.inference is None:
+            try:  # made at the first call without gradients, which may come between training steps
+                graphs.inference_session()
+            except Exception as exc:  # noqa: BLE001 - these calls run in PyTorch; training keeps its graphs
+                self._refuse_inference(graphs, exc)
+        if training is None and graphs.inference_refused is not None:
+            return self._run_in_pytorch(args, kwargs)
         if self._debug.verify and id(training or graphs) not in self._verified:
             self._verified.add(id(training or graphs))
             problem = self._verify(graphs, training, args, kwargs, tensors, state, spec)
@@ -113,7 +120,14 @@ class ORTModule(torch.nn.Module):
                 self._fall_back(VerificationError(f"verify: {problem}, on the first batch of a new graph"))
                 return self._run_in_pytorch(args, kwargs)
         if training is None:
-            outputs = self._run_inference(graphs, tensors, state)
+            try:
+                outputs = self._run_inference(graphs, tensors, state)
+            except Exception as exc:  # noqa: BLE001 - on its first run, nothing has changed yet
+                if graphs.inference.runs:  # it has run before: a failure now is raised, not hidden
+                    raise
+                self._refuse_inference(graphs, exc)
+                return self._run_in_pytorch(args, kwargs)
+            graphs.inference.runs += 1
         else:
             try:
                 outputs = ORTFunction.apply(graphs, training, *tensors, *state)
@@ -342,6 +356,20 @@ class ORTModule(torch.nn.Module):
             f"ONNXTRAIN_LOG_LEVEL=VERBOSE); to raise instead: {FALLBACK_ENV}=0 or DebugOptions(fallback=False).",
             UserWarning, stacklevel=3,
         )
+
+    def _refuse_inference(self, graphs: SchemaGraphs, exc: Exception) -> None:
+        """The schema's calls without gradients run in PyTorch from now (its training calls keep their graphs):
+        the inference graph is made at the first such call, which may be an eval loop between training steps,
+        where switching the training to PyTorch would change it midway."""
+        if not self._debug.fallback:
+            raise exc
+        graphs.inference_refused = f"{type(exc).__name__}: {exc}"
+        logger.debug("inference in PyTorch, the full reason: %s", graphs.inference_refused)
+        warnings.warn(
+            f"ORTModule runs {type(self.module).__name__} in PyTorch eager mode for calls without gradients "
+            f"(torch.no_grad(), eval mode) of this input schema: {summary(graphs.inference_refused)}\n"
+            f"Calls that train keep running on the graphs. To raise instead: {FALLBACK_ENV}=0 or "
+            "DebugOptions(fallback=False).", UserWarning, stacklevel=3)
 
     def register_full_backward_hook(self, hook, prepend: bool = False):
         if any(distributed.is_zero3(p) for p in self.module.parameters()):

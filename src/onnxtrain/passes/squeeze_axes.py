@@ -5,8 +5,10 @@ axes input. OpenVINO cannot tell which axes of a dynamic size are 1, so its outp
 its CPU plugin refuses (2026.4: "CPU plug-in doesn't support Squeeze operation with dynamic rank"). The traced
 graph knows: its output shape has the rank the trace saw (torch.export guards a dynamic size against 1, and
 ORTModule runs a graph only on sizes in the traced ranges). Where the input has exactly as many axes of static
-size 1 as the output has fewer axes, those are the axes: given as a constant input, the same op. Any other
-``Squeeze`` is left alone. Run only on graphs for OpenVINO (:mod:`onnxtrain.passes.pipeline`).
+size 1 as the output has fewer axes, those are the axes: given as a constant input, the same op; where it has
+none and the output has the input's rank (every axis of a dynamic size, which is never 1 there), the Squeeze
+removes nothing and becomes an ``Identity``. Any other ``Squeeze`` is left alone (and a graph that keeps one of
+dynamic rank is refused before it runs: :func:`onnxtrain.runtime.openvino.refusal`). Run only on graphs for OpenVINO (:mod:`onnxtrain.passes.pipeline`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ class SqueezeAxesPass(ir.passes.InPlacePass):
         modified = False
         for node in list(model.graph):
             axes = _axes(node)
-            if axes is not None:
+            if axes == []:  # it removes no axis: the same values, as an Identity
+                node.op_type = "Identity"
+                modified = True
+            elif axes is not None:
                 value = ir.AttrTensor("value", ir.tensor(np.array(axes, np.int64)))
                 constant = ir.Node("", "Constant", [], attributes=[value], name=f"{node.name or 'Squeeze'}/axes")
                 model.graph.insert_before(node, constant)
@@ -41,4 +46,4 @@ def _axes(node: ir.Node) -> list[int] | None:
     if source is None or source.shape is None or out.shape is None:
         return None
     ones = [axis for axis, size in enumerate(source.shape) if size == 1]
-    return ones if ones and len(source.shape) - len(ones) == len(out.shape) else None
+    return ones if len(source.shape) - len(ones) == len(out.shape) else None

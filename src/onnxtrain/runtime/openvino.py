@@ -81,6 +81,48 @@ def _read_dynamic_kernel(model) -> str | None:
     return None
 
 
+def _read_dynamic_rank(model) -> str | None:
+    """Why the CPU plugin cannot compile a model OpenVINO has read: its first op (not a graph input, whose rank the
+    first run gives) with an output of unknown rank, named; None if there is none. The plugin has no node of
+    dynamic rank (2026.4: "CPU plug-in doesn't support Squeeze operation with dynamic rank"). Meaningful only where
+    every graph input has its rank: an unknown one makes the ops after it unknown until the first run."""
+    for op in model.get_ordered_ops():
+        if op.get_type_name() == "Parameter":
+            continue
+        if any(op.get_output_partial_shape(k).rank.is_dynamic for k in range(op.get_output_size())):
+            return (f"its CPU plugin has no op of dynamic rank, which {op.get_type_name()} "
+                    f"{op.get_friendly_name()!r} is (its output's rank depends on the input's sizes)")
+    return None
+
+
+def refusal(model: bytes) -> str | None:
+    """Why OpenVINO's CPU plugin would not compile ``model`` (an ONNX model's bytes whose graph inputs all have
+    their ranks), found without compiling it: a convolution kernel of dynamic size or an op of dynamic rank, named;
+    None if neither, or if OpenVINO cannot read the model (a session on it runs on onnxruntime:
+    :func:`onnxtrain.runtime.backends.create_session`). For ORTModule, which must decide before the first training
+    step about graphs it compiles later (a backward graph on its first use, taking the forward's values)."""
+    try:
+        read = core().read_model(model)
+    except Exception:  # noqa: BLE001 - what cannot be read is not compiled on OpenVINO at all
+        return None
+    return _read_dynamic_kernel(read) or _read_dynamic_rank(read)
+
+
+class OpenVINOCompileError(ValueError):
+    """OpenVINO's CPU plugin cannot compile the model: the reason on one line, naming the op where OpenVINO does."""
+
+
+class DynamicKernelError(OpenVINOCompileError):
+    """The model has a convolution whose kernel has a size not fixed in the graph (:func:`dynamic_kernel`)."""
+
+
+def one_line(exc: Exception) -> str:
+    """OpenVINO's error on one line: its own message without the source locations it stacks before it."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    kept = [line for line in lines if line and not line.startswith(("Exception from ", "Check '"))]
+    return " ".join(kept or lines[-1:] or [type(exc).__name__])
+
+
 class OpenVINOSession:
     """A compiled OpenVINO model with ``get_inputs``/``get_outputs``/``get_modelmeta``/``io_binding``/
     ``run_with_iobinding`` as onnxruntime's InferenceSession has them."""
@@ -100,9 +142,9 @@ class OpenVINOSession:
             from onnxtrain.runtime.openvino_float32 import keep_float32
 
             self._model = keep_float32(self._model, core())
-        refusal = _read_dynamic_kernel(self._model)  # when made, not at the first run (compiled then)
-        if refusal is not None:
-            raise ValueError(f"OpenVINO cannot compile the model for the CPU: {refusal}")
+        refused = _read_dynamic_kernel(self._model)  # when made, not at the first run (compiled then)
+        if refused is not None:
+            raise DynamicKernelError(f"OpenVINO cannot compile the model for the CPU: {refused}")
         self._config = {"INFERENCE_PRECISION_HINT": _HINTS[precision], "PERFORMANCE_HINT": "LATENCY",
                         "NUM_STREAMS": 1}
         if threads:
@@ -130,7 +172,7 @@ class OpenVINOSession:
             try:
                 self._compiled = core().compile_model(self._model, "CPU", self._config)
             except Exception as exc:
-                raise ValueError(f"OpenVINO cannot compile the model for the CPU: {exc}") from exc
+                raise OpenVINOCompileError(f"OpenVINO cannot compile the model for the CPU: {one_line(exc)}") from exc
         return self._compiled
 
     def get_inputs(self) -> list:
