@@ -150,7 +150,7 @@ class SchemaGraphs:
     # and enters the backward graph as float32 (Training.seed_dtypes).
     output_casts: dict[int, ir.DataType] = field(default_factory=dict)
     inference: TorchSession | None = None
-    inference_refused: str | None = None  # why calls without gradients run in PyTorch (ORTModule._refuse_inference)
+    inference_refused: str | None = None  # why calls without gradients run in PyTorch (ORTModule._fall_back)
     training: dict[tuple[bool, ...], Training] = field(default_factory=dict)
     guards: Guards = field(default_factory=Guards)  # the Python values the graph holds as constants
     traced: tuple | None = None  # capture/structure.py's key, kept when the forward changed what it read

@@ -110,7 +110,7 @@ class ORTModule(torch.nn.Module):
             try:  # made at the first call without gradients, which may come between training steps
                 graphs.inference_session()
             except Exception as exc:  # noqa: BLE001 - these calls run in PyTorch; training keeps its graphs
-                self._refuse_inference(graphs, exc)
+                self._fall_back(exc, inference_of=graphs)
         if training is None and graphs.inference_refused is not None:
             return self._run_in_pytorch(args, kwargs)
         if self._debug.verify and id(training or graphs) not in self._verified:
@@ -125,7 +125,7 @@ class ORTModule(torch.nn.Module):
             except Exception as exc:  # noqa: BLE001 - on its first run, nothing has changed yet
                 if graphs.inference.runs:  # it has run before: a failure now is raised, not hidden
                     raise
-                self._refuse_inference(graphs, exc)
+                self._fall_back(exc, inference_of=graphs)
                 return self._run_in_pytorch(args, kwargs)
             graphs.inference.runs += 1
         else:
@@ -345,31 +345,26 @@ class ORTModule(torch.nn.Module):
             for name, value in zip(graphs.mutated_buffers, values):
                 buffers[name].copy_(value)
 
-    def _fall_back(self, exc: Exception) -> None:
+    def _fall_back(self, exc: Exception, inference_of: SchemaGraphs | None = None) -> None:
+        """Run the module in PyTorch from now, with the reason (or raise ``exc`` where fallback is off).
+        ``inference_of``: only that schema's calls without gradients; its training calls keep their graphs. Its
+        inference graph is made at the first such call, which may be an eval loop between training steps, where
+        switching the training to PyTorch would change it midway."""
         if not self._debug.fallback:
             raise exc
-        self._fallback_reason = f"{type(exc).__name__}: {exc}"
-        logger.debug("fallback to PyTorch, the full reason: %s", self._fallback_reason)
-        warnings.warn(
-            f"ORTModule falls back to PyTorch for {type(self.module).__name__}: {summary(self._fallback_reason)}\n"
-            f"It now runs in PyTorch eager mode. The full reason: model.fallback_reason (or "
-            f"ONNXTRAIN_LOG_LEVEL=VERBOSE); to raise instead: {FALLBACK_ENV}=0 or DebugOptions(fallback=False).",
-            UserWarning, stacklevel=3,
-        )
-
-    def _refuse_inference(self, graphs: SchemaGraphs, exc: Exception) -> None:
-        """The schema's calls without gradients run in PyTorch from now (its training calls keep their graphs):
-        the inference graph is made at the first such call, which may be an eval loop between training steps,
-        where switching the training to PyTorch would change it midway."""
-        if not self._debug.fallback:
-            raise exc
-        graphs.inference_refused = f"{type(exc).__name__}: {exc}"
-        logger.debug("inference in PyTorch, the full reason: %s", graphs.inference_refused)
-        warnings.warn(
-            f"ORTModule runs {type(self.module).__name__} in PyTorch eager mode for calls without gradients "
-            f"(torch.no_grad(), eval mode) of this input schema: {summary(graphs.inference_refused)}\n"
-            f"Calls that train keep running on the graphs. To raise instead: {FALLBACK_ENV}=0 or "
-            "DebugOptions(fallback=False).", UserWarning, stacklevel=3)
+        reason, name = f"{type(exc).__name__}: {exc}", type(self.module).__name__
+        if inference_of is None:
+            self._fallback_reason = reason
+            what, now, full = f"falls back to PyTorch for {name}", "It now runs in PyTorch eager mode.", \
+                "model.fallback_reason (or ONNXTRAIN_LOG_LEVEL=VERBOSE)"
+        else:
+            inference_of.inference_refused = reason
+            what = (f"runs {name} in PyTorch eager mode for calls without gradients (torch.no_grad(), eval mode) "
+                    "of this input schema")
+            now, full = "Calls that train keep running on the graphs.", "ONNXTRAIN_LOG_LEVEL=VERBOSE"
+        logger.debug("ORTModule %s, the full reason: %s", what, reason)
+        warnings.warn(f"ORTModule {what}: {summary(reason)}\n{now} The full reason: {full}; to raise instead: "
+                      f"{FALLBACK_ENV}=0 or DebugOptions(fallback=False).", UserWarning, stacklevel=3)
 
     def register_full_backward_hook(self, hook, prepend: bool = False):
         if any(distributed.is_zero3(p) for p in self.module.parameters()):
