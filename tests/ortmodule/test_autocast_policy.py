@@ -109,6 +109,7 @@ def test_products_autocast_does_not_lower_fall_back_with_the_reason(kind, dtype,
         warnings.simplefilter("always")
         out, grads = _step(model, x, dtype)
     assert model.fallback_reason is not None and "products that autocast does not lower" in model.fallback_reason
+    assert "test_autocast_policy.py:" in model.fallback_reason  # the line of this file that runs the product
     assert any("falls back to PyTorch" in str(w.message) for w in caught)
     eager_out, eager = _step(copy.deepcopy(reference), x, dtype)
     with torch.autocast("cpu", enabled=False):

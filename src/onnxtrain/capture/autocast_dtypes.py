@@ -68,27 +68,50 @@ class AutocastRun:
     dtypes: list[torch.dtype]  # each flattened output's dtype
     products: dict[str, set[torch.dtype]] = field(default_factory=dict)  # aten product -> its operands' dtypes
     reads: list[str] = field(default_factory=list)  # "torch.is_autocast_enabled (file:line)" that returned True
+    # (aten product, dtype) -> the model's line that first ran it so ("file:line"; the innermost frame outside
+    # torch and onnxtrain), for the reason a product off autocast's policy gives
+    sites: dict[tuple[str, torch.dtype], str] = field(default_factory=dict)
 
     def off_policy(self, low: torch.dtype, lowered: frozenset) -> list[str]:
-        """The products eager runs in a type the backend would lower to ``low``: "mm in torch.float32"."""
-        return [f"{name} in {dtype}" for name, dtypes in self.products.items() for dtype in sorted(dtypes, key=str)
+        """The products eager runs in a type the backend would lower to ``low``: "mm in torch.float32 at
+        model.py:12"."""
+        return [f"{name} in {dtype}" + (f" at {self.sites[name, dtype]}" if (name, dtype) in self.sites else "")
+                for name, dtypes in self.products.items() for dtype in sorted(dtypes, key=str)
                 if dtype != low and dtype in lowered]
 
 
 class _Products(TorchDispatchMode):
-    """Records the operand dtypes of each product the dispatcher runs (after autocast cast them)."""
+    """Records the operand dtypes of each product the dispatcher runs (after autocast cast them), and where the
+    model's code first ran each product in each dtype."""
 
-    def __init__(self, products: dict[str, set[torch.dtype]]):
+    def __init__(self, products: dict[str, set[torch.dtype]], sites: dict[tuple[str, torch.dtype], str]):
         super().__init__()
-        self.products = products
+        self.products, self.sites = products, sites
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in PRODUCTS:
             dtypes = {t.dtype for t in (*args, *(kwargs or {}).values())
                       if isinstance(t, torch.Tensor) and t.is_floating_point()}
-            self.products.setdefault(name, set()).update(dtypes)
+            seen = self.products.setdefault(name, set())
+            if not dtypes <= seen:
+                site = _model_line()
+                for dtype in dtypes - seen:
+                    if site is not None:
+                        self.sites[name, dtype] = site
+            seen.update(dtypes)
         return func(*args, **(kwargs or {}))
+
+
+def _model_line() -> str | None:
+    """"file:line" of the innermost caller outside torch and onnxtrain (the model's code), or None."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".")[0] not in ("torch", "onnxtrain"):  # an installed package's path from its name on
+            return f"{frame.f_code.co_filename.rpartition('site-packages/')[2]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
 
 
 class _StateReads:
@@ -136,7 +159,8 @@ def autocast_run(module: torch.nn.Module, args: tuple, kwargs: dict) -> Autocast
     try:
         # A shape environment lets an op whose output size depends on values (nonzero, boolean indexing: ELECTRA's
         # loss over the unmasked tokens) return a symbolic size instead of failing the run.
-        with (FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()) as mode, _Products(run.products),
+        with (FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()) as mode,
+              _Products(run.products, run.sites),
               _StateReads(run.reads)):
             flat, spec = flatten((tuple(args), dict(kwargs)))
             fake_args, fake_kwargs = unflatten([mode.from_tensor(t, static_shapes=True) for t in flat], spec)
