@@ -132,3 +132,41 @@ def test_batchnorm_with_a_cumulative_average_runs_in_pytorch_not_frozen_in_a_gra
         reference(x).sum().backward()
     torch.testing.assert_close(model.module[1].running_mean, reference[1].running_mean)
     torch.testing.assert_close(model.module[1].running_var, reference[1].running_var)
+
+
+def test_a_first_inference_run_that_fails_runs_in_pytorch_and_training_stays_on_the_graphs(monkeypatch):
+    """The inference graph is made and first run at the first call without gradients, which may be an eval between
+    training steps. Before, a failure there was raised from that call; now those calls run in PyTorch (eager's values
+    exactly), with one warning, and training keeps its graphs (gradients as eager's, fallback_reason None)."""
+    from onnxtrain.ortmodule.graphs import SchemaGraphs
+
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = ORTModule(copy.deepcopy(reference))
+    x = torch.randn(5, 6)
+    made = SchemaGraphs.inference_session
+
+    def failing(graphs):
+        session = made(graphs)
+        if session.runs == 0:
+            def run(inputs):
+                raise RuntimeError("the backend failed on its first run")
+            session.run = run
+        return session
+
+    monkeypatch.setattr(SchemaGraphs, "inference_session", failing)
+    for step in range(2):
+        for m in (model, reference):
+            m(x).square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            got = model(x)
+        assert len([w for w in caught if "calls without gradients" in str(w.message)]) == (step == 0)
+        with torch.no_grad():
+            torch.testing.assert_close(got, reference(x), rtol=0, atol=0)
+    assert model.fallback_reason is None
+    (entries,) = model._cache.values()
+    assert "the backend failed on its first run" in entries[0].inference_refused
