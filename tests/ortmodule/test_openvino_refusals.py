@@ -157,6 +157,53 @@ def test_a_training_graph_openvino_refuses_falls_back_with_one_line_naming_the_n
         torch.testing.assert_close(grads[name], g, rtol=0, atol=0)
 
 
+@bf16_runs
+def test_a_backward_graph_openvino_refuses_falls_back_before_the_forward_runs(monkeypatch):
+    """A node OpenVINO refuses in the backward graph only (here a Squeeze without axes put on the input's gradient,
+    whose batch size is dynamic, of a linear layer), with the forward and the loss's gradients as two graphs: before, the forward ran
+    and the backward graph failed to compile at the first backward, OpenVINO's error raised from
+    ``loss.backward()`` after the outputs were used; now the joint graph is refused when the graphs are built, and
+    the step is eager's exactly."""
+    import onnx_ir as ir
+
+    from onnxtrain.ortmodule import graphs as graphs_module
+
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    monkeypatch.setenv("ONNXTRAIN_FUSED_STEP", "0")
+    _unresolved(monkeypatch)
+    differentiate = graphs_module.add_gradient_outputs
+
+    def squeezed_input_gradient(model, wrt, *args, **kwargs):
+        differentiate(model, wrt, *args, **kwargs)
+        k = len(model.graph.outputs) - len(wrt)  # the gradients come last, in wrt's order: the input's first
+        grad = model.graph.outputs[k]
+        squeeze = ir.Node("", "Squeeze", [grad], name="backward_only")
+        squeeze.outputs[0].name, squeeze.outputs[0].type, squeeze.outputs[0].shape = "squeezed", grad.type, grad.shape
+        model.graph.append(squeeze)
+        model.graph.outputs[k] = squeeze.outputs[0]
+
+    monkeypatch.setattr(graphs_module, "add_gradient_outputs", squeezed_input_gradient)
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(8, 8)  # no Squeeze in the forward
+    model = ORTModule(copy.deepcopy(reference))
+    x = torch.randn(6, 5, 8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().square().mean().backward()
+    reason = model.fallback_reason
+    # OpenVINO names the op that makes a graph output by that output
+    assert reason is not None and "\n" not in reason and "Squeeze 'squeezed'" in reason, reason
+    x_ref = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = reference(x_ref)
+    want.float().square().mean().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
 @pytest.mark.skipif(not backends.openvino_installed(), reason="needs onnxtrain[openvino]")
 def test_openvino_errors_are_one_line():
     from onnxtrain.runtime.openvino import one_line
