@@ -25,18 +25,9 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from onnxtrain.passes.rewrite import constant_ints
+
 _END = 2**63 - 1
-
-
-def _ints(value: ir.Value | None) -> np.ndarray | None:
-    """A constant integer tensor's values, else None."""
-    if value is None:
-        return None
-    tensor = ir.convenience.get_const_tensor(value)
-    if tensor is None:
-        return None
-    array = tensor.numpy()
-    return array.astype(np.int64) if np.issubdtype(array.dtype, np.integer) else None
 
 
 def _bounds(split: np.ndarray | None, has_split: bool, index: int) -> tuple[int, int] | None:
@@ -85,7 +76,7 @@ def split_to_slices(graph: ir.Graph, examples: Sequence[Sequence[int]]) -> bool:
         split_node = node.inputs[0].producer()
         if split_node is None or split_node.op_type != "SplitToSequence" or split_node.graph is not graph:
             continue
-        position = _ints(node.inputs[1])
+        position = constant_ints(node.inputs[1])
         found = _split_axis(split_node)
         if position is None or position.size != 1 or int(position.reshape(())) < 0 or found is None:
             continue
@@ -97,7 +88,7 @@ def split_to_slices(graph: ir.Graph, examples: Sequence[Sequence[int]]) -> bool:
         keepdims = split_node.attributes.get_int("keepdims", 1)
         if has_split and keepdims == 0:  # ONNX says ignored, onnxruntime squeezes or fails: left as it is
             continue
-        bounds = _bounds(_ints(split_node.inputs[1]) if has_split else None, has_split, index)
+        bounds = _bounds(constant_ints(split_node.inputs[1]) if has_split else None, has_split, index)
         if bounds is None:
             continue
         if not isinstance(size, int):

@@ -47,6 +47,7 @@ import onnx_ir as ir
 
 from onnxtrain.autodiff.registry import ONNXTRAIN_DOMAIN, STOP_GRADIENT
 from onnxtrain.passes.recompute import Saved
+from onnxtrain.passes.rewrite import rewrite_each
 
 logger = logging.getLogger("onnxtrain.passes")
 
@@ -74,12 +75,9 @@ class ChunkCrossEntropyPass(ir.passes.InPlacePass):
         self.chunked, self.saved = [], []
         if _opset(graph) < 18:
             return ir.passes.PassResult(model, modified=False)
-        for node in list(graph):
-            match = _match(node)
-            if match is not None:
-                chunked, saved = _rewrite(graph, node, *match, self.block_bytes or BLOCK_BYTES)
-                self.chunked.append(chunked)
-                self.saved.append(saved)
+        done = rewrite_each(graph, _match,
+                            lambda graph, node, match: _rewrite(graph, node, *match, self.block_bytes or BLOCK_BYTES))
+        self.chunked, self.saved = [chunked for chunked, _ in done], [saved for _, saved in done]
         for name, rows, vocab, kept in self.chunked:
             logger.info("chunked cross-entropy: loss %r and its gradient computed from its linear layer in blocks "
                         "of %d rows x %d classes; %s", name, rows, vocab,

@@ -27,6 +27,7 @@ import onnx_ir as ir
 
 from onnxtrain.autodiff.builder import GraphBuilder
 from onnxtrain.passes.conv_patches import _values
+from onnxtrain.passes.rewrite import static_shape
 
 _DOMAINS = ("", "ai.onnx")
 MAX_POSITIONS = 16  # output positions per image rewritten at most (measured: 4x4 faster, 8x8 slower than the node)
@@ -49,18 +50,14 @@ class ConvBatchGemmPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
 
-def _static(shape, start: int = 0) -> bool:
-    return shape is not None and all(isinstance(d, int) for d in list(shape)[start:])
-
-
 def _spatial(node: ir.Node, positions: ir.Value) -> list[int] | None:
     """The static spatial sizes of ``positions`` (an output of ``node``, or its input for a ``ConvTranspose``) when
     ``node`` is one this pass rewrites: ungrouped, weight of static shape, images of static size, few positions."""
     if len(node.inputs) < 2 or node.inputs[0] is None or node.inputs[1] is None or node.attributes.get_int("group", 1) != 1:
         return None
     x, w = node.inputs[0], node.inputs[1]
-    if not _static(w.shape) or x.shape is None or len(x.shape) != len(w.shape) or not _static(x.shape, 2) or \
-            positions.shape is None or not _static(positions.shape, 2) or len(w.shape) < 3:
+    if not static_shape(w.shape) or x.shape is None or len(x.shape) != len(w.shape) or not static_shape(x.shape, 2) or \
+            positions.shape is None or not static_shape(positions.shape, 2) or len(w.shape) < 3:
         return None
     if node.attributes.get_string("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
         return None

@@ -33,6 +33,7 @@ import math
 import onnx_ir as ir
 
 from onnxtrain.autodiff.builder import GraphBuilder
+from onnxtrain.passes.rewrite import constant_ints, rewrite_each, static_shape
 
 _DOMAINS = ("", "ai.onnx")
 MAX_POSITIONS = 1024  # output positions (a forward kernel's size) rewritten at most: a Slice and a MatMul each
@@ -43,7 +44,8 @@ class ConvPatchesPass(ir.passes.InPlacePass):
     """One product per output position (OpenVINO: its plugin compiles no kernel of dynamic size)."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        return _rewrite_each(model, _positions, _rewrite)
+        done = rewrite_each(model.graph, _positions, _rewrite)
+        return ir.passes.PassResult(model, modified=bool(done))
 
 
 class ConvColumnsPass(ir.passes.InPlacePass):
@@ -51,27 +53,13 @@ class ConvColumnsPass(ir.passes.InPlacePass):
     per image of its batch): see the module's docstring."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        return _rewrite_each(model, _column_positions, _rewrite_columns)
-
-
-def _rewrite_each(model: ir.Model, match, rewrite) -> ir.passes.PassResult:
-    graph = model.graph
-    modified = False
-    for node in list(graph):
-        positions = match(node)
-        if positions is not None:
-            rewrite(graph, node, positions)
-            modified = True
-    return ir.passes.PassResult(model, modified=modified)
-
-
-def _static(value: ir.Value | None) -> bool:
-    return value is not None and value.shape is not None and all(isinstance(d, int) for d in value.shape)
+        done = rewrite_each(model.graph, _column_positions, _rewrite_columns)
+        return ir.passes.PassResult(model, modified=bool(done))
 
 
 def _ints(value: ir.Value | None) -> list[int] | None:
-    tensor = None if value is None else ir.convenience.get_const_tensor(value)
-    return None if tensor is None else [int(v) for v in tensor.numpy().reshape(-1)]
+    ints = constant_ints(value)
+    return None if ints is None else ints.reshape(-1).tolist()
 
 
 def _positions(node: ir.Node) -> list[int] | None:
@@ -80,7 +68,7 @@ def _positions(node: ir.Node) -> list[int] | None:
     if node.op_type != "Conv" or node.domain not in _DOMAINS or len(node.inputs) < 2 or len(node.inputs) > 2:
         return None
     x, w = node.inputs[0], node.inputs[1]
-    if w is None or _static(w) or x is None or len(node.outputs[0].uses()) != 1:
+    if w is None or static_shape(w.shape) or x is None or len(node.outputs[0].uses()) != 1:
         return None
     reader, slot = next(iter(node.outputs[0].uses()))
     if reader.op_type != "Slice" or reader.domain not in _DOMAINS or slot != 0 or len(reader.inputs) < 4:

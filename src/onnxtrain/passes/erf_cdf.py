@@ -18,18 +18,15 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from onnxtrain.passes.rewrite import rewrite_each
+
 _DOMAINS = ("", "ai.onnx")
 
 
 class ErfCdfPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        graph = model.graph
-        modified = False
-        for node in list(graph):
-            if _is_cdf(node):
-                _rewrite(graph, node)
-                modified = True
-        return ir.passes.PassResult(model, modified=modified)
+        done = rewrite_each(model.graph, _is_cdf, _rewrite)
+        return ir.passes.PassResult(model, modified=bool(done))
 
 
 def _is_cdf(node: ir.Node) -> bool:

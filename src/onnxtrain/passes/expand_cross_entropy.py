@@ -15,6 +15,8 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
+from onnxtrain.passes.rewrite import rewrite_each
+
 _KEPT_ATTRIBUTES = ("reduction", "ignore_index")
 
 
@@ -22,13 +24,9 @@ class ExpandCrossEntropyPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         opset = graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 0))
-        modified = False
-        if opset >= 13:  # LogSoftmax's axis means one axis from 13 on (it coerced to 2-D before)
-            for node in list(graph):
-                if _applies(node):
-                    _expand(graph, node)
-                    modified = True
-        return ir.passes.PassResult(model, modified=modified)
+        # LogSoftmax's axis means one axis from 13 on (it coerced to 2-D before)
+        done = rewrite_each(graph, _applies, _expand) if opset >= 13 else []
+        return ir.passes.PassResult(model, modified=bool(done))
 
 
 def expand_cross_entropy(proto: onnx.ModelProto) -> onnx.ModelProto:

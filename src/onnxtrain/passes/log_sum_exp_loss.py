@@ -40,6 +40,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from onnxtrain.passes.rewrite import rewrite_each
+
 logger = logging.getLogger("onnxtrain.passes")
 
 _ONNX = ("", "ai.onnx")
@@ -50,12 +52,8 @@ class LogSumExpLossPass(ir.passes.InPlacePass):
         graph = model.graph
         if graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 0)) < 18:
             return ir.passes.PassResult(model, modified=False)
-        modified = False
-        for node in list(graph):
-            if _applies(node):
-                _rewrite(graph, node)
-                modified = True
-        return ir.passes.PassResult(model, modified=modified)
+        done = rewrite_each(graph, _applies, _rewrite)
+        return ir.passes.PassResult(model, modified=bool(done))
 
 
 def log_sum_exp_loss(proto: onnx.ModelProto) -> onnx.ModelProto:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
+from onnxtrain.passes.rewrite import rewrite_each
+
 # (domain, op_type) of the ops that run in the low type; "" is the ONNX domain.
 LOW_PRECISION_OPS = frozenset({
     ("", "MatMul"), ("", "Gemm"), ("", "Conv"), ("", "ConvTranspose"), ("", "Einsum"),
@@ -58,17 +60,18 @@ class PrecisionPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         low: dict[ir.Value, ir.Value] = {}  # float32 value -> the same value in the low type
-        modified = False
-        for node in list(graph):
-            if (_domain(node), node.op_type) not in self.ops or not _all_float32(node):
-                continue
-            for i, value in enumerate(node.inputs):
-                if value is not None and value.dtype == ir.DataType.FLOAT:
-                    node.replace_input_with(i, self._cast_down(graph, node, value, low))
-            for out in list(node.outputs):
-                self._cast_up(graph, node, out, low)
-            modified = True
-        return ir.passes.PassResult(model, modified=modified)
+        done = rewrite_each(graph, self._lowers, lambda graph, node: self._lower(graph, node, low))
+        return ir.passes.PassResult(model, modified=bool(done))
+
+    def _lowers(self, node: ir.Node) -> bool:
+        return (_domain(node), node.op_type) in self.ops and _all_float32(node)
+
+    def _lower(self, graph: ir.Graph, node: ir.Node, low: dict) -> None:
+        for i, value in enumerate(node.inputs):
+            if value is not None and value.dtype == ir.DataType.FLOAT:
+                node.replace_input_with(i, self._cast_down(graph, node, value, low))
+        for out in list(node.outputs):
+            self._cast_up(graph, node, out, low)
 
     def _cast_down(self, graph: ir.Graph, node: ir.Node, value: ir.Value, low: dict) -> ir.Value:
         cast = low.get(value)

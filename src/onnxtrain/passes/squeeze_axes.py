@@ -16,25 +16,26 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from onnxtrain.passes.rewrite import rewrite_each
+
 _DOMAINS = ("", "ai.onnx")
 
 
 class SqueezeAxesPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        modified = False
-        for node in list(model.graph):
-            axes = _axes(node)
-            if axes == []:  # it removes no axis: the same values, as an Identity
-                node.op_type = "Identity"
-                modified = True
-            elif axes is not None:
-                value = ir.AttrTensor("value", ir.tensor(np.array(axes, np.int64)))
-                constant = ir.Node("", "Constant", [], attributes=[value], name=f"{node.name or 'Squeeze'}/axes")
-                model.graph.insert_before(node, constant)
-                node.resize_inputs(2)
-                node.replace_input_with(1, constant.outputs[0])
-                modified = True
-        return ir.passes.PassResult(model, modified=modified)
+        done = rewrite_each(model.graph, _axes, _give_axes)
+        return ir.passes.PassResult(model, modified=bool(done))
+
+
+def _give_axes(graph: ir.Graph, node: ir.Node, axes: list[int]) -> None:
+    if axes == []:  # it removes no axis: the same values, as an Identity
+        node.op_type = "Identity"
+        return
+    value = ir.AttrTensor("value", ir.tensor(np.array(axes, np.int64)))
+    constant = ir.Node("", "Constant", [], attributes=[value], name=f"{node.name or 'Squeeze'}/axes")
+    graph.insert_before(node, constant)
+    node.resize_inputs(2)
+    node.replace_input_with(1, constant.outputs[0])
 
 
 def _axes(node: ir.Node) -> list[int] | None:

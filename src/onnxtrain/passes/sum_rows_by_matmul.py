@@ -44,6 +44,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from onnxtrain.passes.rewrite import rewrite_each
+
 _DTYPES = (ir.DataType.FLOAT, ir.DataType.DOUBLE)
 MIN_OPSET = 15  # Shape's start/end attributes
 
@@ -59,13 +61,14 @@ class SumRowsByMatMulPass(ir.passes.InPlacePass):
         if opset < MIN_OPSET:
             return ir.passes.PassResult(model, modified=False)
         shared: dict[tuple, ir.Value] = {}
-        modified = False
-        for node in list(graph):
-            k = _leading_axes(node)
-            if k is not None and (not self.only_product_gradients or _feeds_a_product(node.inputs[0], k)):
-                _rewrite(graph, node, k, shared)
-                modified = True
-        return ir.passes.PassResult(model, modified=modified)
+        done = rewrite_each(graph, self._leading_axes, lambda graph, node, k: _rewrite(graph, node, k, shared))
+        return ir.passes.PassResult(model, modified=bool(done))
+
+    def _leading_axes(self, node: ir.Node) -> int | None:
+        k = _leading_axes(node)
+        if k is not None and (not self.only_product_gradients or _feeds_a_product(node.inputs[0], k)):
+            return k
+        return None
 
 
 def sum_rows_by_matmul(proto: onnx.ModelProto) -> onnx.ModelProto:

@@ -17,19 +17,15 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from onnxtrain.passes.rewrite import rewrite_each
+
 _DOMAINS = ("", "ai.onnx")
 
 
 class TransposedGemmPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        graph = model.graph
-        modified = False
-        for node in list(graph):
-            gemm = _transposed_gemm(node)
-            if gemm is not None:
-                _rewrite(graph, node, gemm)
-                modified = True
-        return ir.passes.PassResult(model, modified=modified)
+        done = rewrite_each(model.graph, _transposed_gemm, _rewrite)
+        return ir.passes.PassResult(model, modified=bool(done))
 
 
 def _transposed_gemm(node: ir.Node) -> ir.Node | None:
