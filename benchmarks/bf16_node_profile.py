@@ -10,10 +10,12 @@ model is compiled again with OpenVINO's ``PERF_COUNT`` and run ``--calls`` times
 the infer call's wall time, the sum of node times, and the node times grouped: the products whose operand or
 result has the vocabulary as a dimension (a language model's output layer: its forward, input gradient and
 weight gradient), the float32 ops over vocabulary-sized tensors (the loss and its gradient), the bf16/f32
-conversions (``Reorder``), the other products, and the rest; then the largest nodes. Then, where the workload
-has a vocabulary-sized output layer, the same three products run by ``torch.mm`` on bfloat16 tensors (what
-eager autocast and torch.compile call for them), alternating with OpenVINO running each product alone (its
-float32 inputs converted in the call, as in the graph), medians of ``--rounds``.
+conversions (``Reorder``, ``Convert``), the other products, and the rest by the layer each node comes from
+(LayerNorm, GELU, attention's softmax, the loss, each with its gradient) or by kind (Transposes and other nodes
+on OpenVINO's reference kernels, Transposes and Reshapes, other elementwise ops); then the largest nodes. Then,
+where the workload has a vocabulary-sized output layer, the same three products run by ``torch.mm`` on
+bfloat16 tensors (what eager autocast and torch.compile call for them), alternating with OpenVINO running each
+product alone (its float32 inputs converted in the call, as in the graph), medians of ``--rounds``.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _fused_inputs(workload: str):
     return session._session, captured
 
 
-def _group(node_type: str, exec_type: str, shapes: list[str], vocab: int | None) -> str:
+def _group(node_type: str, exec_type: str, shapes: list[str], vocab: int | None, name: str = "") -> str:
     wide = vocab is not None and any(str(vocab) in s for s in shapes)
     if node_type == "MatMul":
         return "output-layer products" if wide else "other products"
@@ -74,7 +76,29 @@ def _group(node_type: str, exec_type: str, shapes: list[str], vocab: int | None)
         return "conversions (Reorder)" + (", vocabulary-sized" if wide else "")
     if wide:
         return "vocabulary-sized ops, " + ("float32" if exec_type.endswith("f32") else "bf16")
-    return "the rest"
+    return _kind(node_type, exec_type, name)
+
+
+#: The rest of the call by the layer a node comes from, read from the exporter's node names (OpenVINO keeps them):
+#: (group, words of which one is in the node's name), the first match wins.
+_LAYERS = (("LayerNorm and its gradient", ("layer_norm",)), ("GELU and its gradient", ("gelu",)),
+           ("attention softmax and scale, and their gradients", ("softmax", "scaled_dot_product")),
+           ("loss region (cross-entropy and its gradient)", ("cross_entropy", "log_softmax", "logsumexp")))
+
+
+def _kind(node_type: str, exec_type: str, name: str) -> str:
+    """What a node that is not a product or a conversion does: the layer it comes from, else its kind."""
+    if node_type == "Convert":
+        return "conversions (Reorder)"
+    if exec_type.startswith(("ref", "unknown")):
+        return ("Transposes" if node_type == "Transpose" else "other nodes") + " on reference kernels"
+    lowered = name.lower()
+    for group, words in _LAYERS:
+        if any(w in lowered for w in words) or (node_type in ("MVN", "RMS") and group.startswith("LayerNorm")):
+            return group
+    if node_type in ("Transpose", "Reshape", "Concat", "Gather", "StridedSlice", "Broadcast"):
+        return "Transposes, Reshapes, Gathers (jit)"
+    return "other elementwise ops and reductions"
 
 
 def profile_nodes(workload: str, calls: int) -> None:
@@ -101,14 +125,14 @@ def profile_nodes(workload: str, calls: int) -> None:
         walls.append(time.perf_counter() - start)
         for info in request.profiling_info:
             ms = info.real_time.total_seconds() * 1000 / calls
-            groups[_group(info.node_type, info.exec_type, shapes.get(info.node_name, []), vocab)] += ms
+            groups[_group(info.node_type, info.exec_type, shapes.get(info.node_name, []), vocab, info.node_name)] += ms
             nodes[info.node_name] += ms
             kinds[info.node_name] = (info.node_type, info.exec_type)
     total = sum(groups.values())
     print(f"\n{workload}: fused call, mean of {calls}: infer {1000 * statistics.mean(walls):.1f} ms, "
           f"node time {total:.1f} ms")
     for name, ms in groups.most_common():
-        print(f"  {name:42} {ms:8.1f} ms  {100 * ms / total:5.1f}%")
+        print(f"  {name:50} {ms:8.1f} ms  {100 * ms / total:5.1f}%")
     print("  largest nodes:")
     for name, ms in nodes.most_common(10):
         print(f"    {ms:8.1f} ms  {kinds[name][0]:10} {kinds[name][1]:20} {name[:70]}")
