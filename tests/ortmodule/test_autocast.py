@@ -348,3 +348,54 @@ def test_bf16_each_parameter_error_no_worse_than_autocast(float32_ops, monkeypat
     sums = [(i["originalLayersNames"].astype(str), i["runtimePrecision"].astype(str)) for i in layers
             if i["layerType"].astype(str) == "Reduce" and "ReduceSum" in i["originalLayersNames"].astype(str)]
     assert sums and all(precision == "f32" for _, precision in sums), sums
+
+
+
+class _ExactLM(torch.nn.Module):
+    """A language model's loss whose logits are exact in bfloat16: an embedding of -1, 0 and 1 and an output layer
+    of small multiples of 1/8."""
+
+    def __init__(self, vocab=96, hidden=32):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+        with torch.no_grad():
+            self.emb.weight.copy_(torch.randint(-1, 2, (vocab, hidden), generator=g).float())
+            self.head.weight.copy_(torch.randint(-1, 2, (vocab, hidden), generator=g).float() / 8)
+
+    def forward(self, ids, labels):
+        logits = self.head(self.emb(ids))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+@openvino_needed
+@pytest.mark.skipif(not backends.openvino_has_bf16(), reason="this CPU has no bfloat16 arithmetic")
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_bf16_cross_entropy_gradient_scale_stays_float32(fused, monkeypatch):
+    """The loss gradient's per-row scale (1/27 here: 3 of 30 labels ignored) stays float32 on OpenVINO's bf16
+    hint. Its [N] -> [N, 1] was an ``Unsqueeze`` and its negation a ``Neg``, which the plugin rewrites into nodes
+    of its own without the loss region's float32 marking when the loss gradient feeds only a product: the scale
+    rounded to bfloat16 (1/27 -> 0.037109, 2e-3 high), and every gradient of the step with it
+    (docs/precision.md).
+
+    The logits are exact, so the truth is float64's loss gradient rounded to bfloat16 where the output layer's
+    weight gradient reads it (the product's input, as autocast rounds it) times the exact embedding."""
+    monkeypatch.setenv("ONNXTRAIN_FUSED_STEP", fused)
+    ids = torch.randint(1, 96, (3, 10), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, -3:] = -100
+    reference = _ExactLM()
+    model = ORTModule(copy.deepcopy(reference))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, labels)
+    loss.backward()
+    assert _schemas(model) == [("openvino", "bf16")]
+    double = copy.deepcopy(reference).double()
+    embedded = double.emb(ids).flatten(0, 1).detach()
+    logits = double.head(embedded).detach().requires_grad_()
+    torch.nn.functional.cross_entropy(logits, labels.flatten(), ignore_index=-100).backward()
+    want = (logits.grad.float().bfloat16().double().T @ embedded).numpy()
+    got = model.module.head.weight.grad.double().numpy()
+    factor = float(np.vdot(got, want) / np.vdot(want, want))
+    assert _rel(got, want) < 1e-4 and abs(factor - 1) < 1e-5, (_rel(got, want), factor)  # the bug: 2e-3

@@ -111,6 +111,16 @@ def _nll_coefficients(g: GradContext, dloss: ir.Value, scores: ir.Value, target:
     return safe, coef, reduction == "none" or w is not None
 
 
+def _per_row(g: GradContext, coef: ir.Value, scores: ir.Value) -> ir.Value:
+    """A per-sample ``coef`` [N, d...] as [N, 1, d...], to scale the scores' rows. With 2-D scores a ``Reshape``
+    to [-1, 1], not an ``Unsqueeze``: OpenVINO's CPU plugin rewrites an ``Unsqueeze`` into a ``Reshape`` of its own
+    that loses the loss region's float32 marking, and under its bf16 hint the loss gradient's scale (``g / count``)
+    was rounded to bfloat16, every gradient of the step with it (docs/precision.md)."""
+    if scores.shape is not None and len(scores.shape) == 2:
+        return g.b.Reshape(coef, g.b.ints([-1, 1]))
+    return g.b.Unsqueeze(coef, g.b.ints([1]))
+
+
 def _scatter_targets(g: GradContext, data: ir.Value, safe: ir.Value, coef: ir.Value, per_sample: bool):
     """``data`` minus ``coef`` at each sample's target class (axis 1), elsewhere unchanged.
 
@@ -119,11 +129,14 @@ def _scatter_targets(g: GradContext, data: ir.Value, safe: ir.Value, coef: ir.Va
     """
     if g.onnx_opset < 16:
         hit = _one_hot(g, safe, g.inputs[0])  # the scores: [N, C, d...] like data
-        return g.b.Sub(data, g.b.Mul(hit, g.b.Unsqueeze(coef, g.b.ints([1])) if per_sample else coef))
+        return g.b.Sub(data, g.b.Mul(hit, _per_row(g, coef, g.inputs[0]) if per_sample else coef))
     index = g.b.Unsqueeze(safe if safe.dtype == ir.DataType.INT64 else g.b.Cast(safe, to=ir.DataType.INT64),
                           g.b.ints([1]))
-    updates = g.b.Neg(g.b.Unsqueeze(coef, g.b.ints([1])) if per_sample else coef)
-    updates = g.b.Expand(updates, g.b.Shape(index))
+    if per_sample:  # [N, 1, d...], the index's shape; a Mul by -1, not a Neg: OpenVINO's CPU plugin rewrites a
+        # Neg (and an Expand) into nodes of its own without the float32 marking, as it does an Unsqueeze
+        updates = _per_row(g, g.b.Mul(coef, g.b.scalar(-1.0, g.inputs[0])), g.inputs[0])
+    else:
+        updates = g.b.Expand(g.b.Neg(coef), g.b.Shape(index))
     return g.b.ScatterElements(data, index, updates, axis=1, reduction="add")
 
 
@@ -157,7 +170,7 @@ def grad_softmax_cross_entropy(g: GradContext):
         return (_log_softmax_backward(g, _scatter_targets(g, dlogp, safe, coef, per_sample), log_prob, 1),)
     # dlogp is -coef at the targets only, so its sum over classes is -coef: dx = p * coef - onehot * coef.
     probs = g.b.Exp(log_prob)
-    scaled = g.b.Mul(probs, g.b.Unsqueeze(coef, g.b.ints([1])) if per_sample else coef)
+    scaled = g.b.Mul(probs, _per_row(g, coef, log_prob) if per_sample else coef)
     return (_scatter_targets(g, scaled, safe, coef, per_sample),)
 
 
