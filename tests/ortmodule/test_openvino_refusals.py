@@ -67,6 +67,16 @@ def _kinds(model) -> set[str]:
     return kinds
 
 
+def _trains_on_openvino_near_eager(model, reference, x, grad_tolerance=2e-2):
+    """One step of each under autocast bf16: the model's on OpenVINO only, its output and gradients near eager's."""
+    out, grads = _step(model, x)
+    want_out, want = _step(reference, x)
+    assert model.fallback_reason is None and _kinds(model) == {"OpenVINOSession"}
+    torch.testing.assert_close(out.float(), want_out.float(), rtol=2e-2, atol=2e-2)
+    for name, g in want.items():
+        torch.testing.assert_close(grads[name], g, rtol=grad_tolerance, atol=grad_tolerance)
+
+
 def _unresolved(monkeypatch):
     """Squeezes without axes stay so in the graphs for OpenVINO: a node its CPU plugin refuses."""
     monkeypatch.setattr(squeeze_axes, "_axes", lambda node: None)
@@ -84,12 +94,7 @@ def test_a_squeeze_that_removes_no_axis_runs_on_openvino(monkeypatch):
     x = torch.randn(6, 5, 8)
     got = _no_grad(model, x)
     torch.testing.assert_close(got.float(), _no_grad(reference, x).float(), rtol=2e-2, atol=2e-2)
-    out, grads = _step(model, x)
-    want_out, want = _step(reference, x)
-    assert model.fallback_reason is None and _kinds(model) == {"OpenVINOSession"}
-    torch.testing.assert_close(out.float(), want_out.float(), rtol=2e-2, atol=2e-2)
-    for name, g in want.items():
-        torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=2e-2)
+    _trains_on_openvino_near_eager(model, reference, x)
 
 
 @bf16_runs
@@ -213,3 +218,83 @@ def test_openvino_errors_are_one_line():
                          "doesn't support Squeeze operation with dynamic rank. Operation name: node_squeeze\n\n\n")
     assert one_line(error) == ("Unexpected: CPU plug-in doesn't support Squeeze operation with dynamic rank. "
                                "Operation name: node_squeeze")
+
+
+class _Pooled(torch.nn.Module):
+    """A convolution, then average pooling (its gradient convolves with a kernel of ones, and with
+    ``count_include_pad=False`` its window counts are a convolution of ones too), then a linear layer."""
+
+    def __init__(self, pool: torch.nn.Module, dims: int):
+        super().__init__()
+        conv = torch.nn.Conv1d if dims == 1 else torch.nn.Conv2d
+        self.conv, self.pool = conv(3, 4, 3, padding=1), pool
+        self.head = torch.nn.LazyLinear(5)
+
+    def forward(self, x):
+        return self.head(self.pool(torch.relu(self.conv(x))).flatten(1))
+
+
+@bf16_runs
+@pytest.mark.parametrize("pool, shape", [
+    (torch.nn.AvgPool2d(2), (2, 3, 8, 8)),
+    (torch.nn.AvgPool2d(3, stride=2, padding=1, count_include_pad=False), (2, 3, 8, 8)),
+    (torch.nn.AvgPool1d(3, stride=2, padding=1), (2, 3, 12)),
+], ids=["2d", "2d-padded-exclusive", "1d-padded"])
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_average_pooling_trains_on_openvino(pool, shape, fused, monkeypatch):
+    """Average pooling's gradient convolves with a constant kernel of ones whose shape the graph did not state:
+    the dynamic-kernel check refused every such training graph ("no convolution with a kernel of dynamic size,
+    which 'node_avg_pool2d_Grad/Conv' is"), and the model ran in PyTorch. Now the kernel's shape is in the graph
+    and the step runs on OpenVINO (fallback off: a refusal fails the test), near eager autocast."""
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "0")
+    monkeypatch.setenv("ONNXTRAIN_FUSED_STEP", fused)
+    torch.manual_seed(0)
+    x = torch.randn(*shape)
+    reference = _Pooled(pool, len(shape) - 2)
+    reference(x)  # the lazy layer takes its size
+    model = ORTModule(copy.deepcopy(reference))
+    _trains_on_openvino_near_eager(model, reference, x, grad_tolerance=3e-2)
+
+
+class _TwoOutputs(torch.nn.Module):
+    """Two differentiable outputs of which a step uses one (its backward graph without the other's gradient:
+    passes/zero_inputs.py), LayerNorm and GELU (row sums and erf), a linear layer used transposed."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.norm, self.out = torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.norm(self.inp(x)))
+        return self.out(h), h.sum(-1)
+
+
+@bf16_runs
+def test_the_backward_pipeline_adds_nothing_openvino_refuses(monkeypatch):
+    """The refusal check reads the joint graph; a backward graph is cut from it, then pruned of absent output
+    gradients, rewritten by the backward pipeline (row sums as products, transposed products) and staged, and
+    compiled at its first backward, too late to fall back. Those steps only remove nodes or add ones of known
+    rank and no convolution (docs/design.md, "OpenVINO refusals"); here each runs (an absent gradient, a recompute
+    budget that stages backward) and the stages compile and train, with fallback off."""
+    from onnxtrain.ortmodule import graphs as graphs_module
+    from onnxtrain.ortmodule.options import DebugOptions
+
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "0")
+    monkeypatch.setenv("ONNXTRAIN_FUSED_STEP", "0")
+    monkeypatch.setattr(graphs_module, "MIN_STAGE_BYTES", 0)  # stages even for this small model
+    torch.manual_seed(0)
+    reference = _TwoOutputs()
+    model = ORTModule(copy.deepcopy(reference), debug_options=DebugOptions(recompute=0.0))
+    x = torch.randn(6, 5, 8)
+    for m in (model, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, _ = m(x)
+        y.float().square().mean().backward()
+    assert model.fallback_reason is None and _kinds(model) == {"OpenVINOSession"}
+    (training,) = _graphs(model).training.values()
+    assert list(training._backward) == [(True, False)]  # the second output's gradient absent: pruned
+    (staged,) = training._backward.values()
+    assert staged is not None and staged.num_stages > 1
+    assert {type(s._session).__name__ for s in staged.sessions} == {"OpenVINOSession"}
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=3e-2, atol=3e-2)

@@ -289,7 +289,9 @@ class BackendRefusal(RuntimeError):
 def _refuse(model: ir.Model, kind: str) -> None:
     """Raise :class:`BackendRefusal` where OpenVINO's CPU plugin would not compile ``model`` (the joint graph for
     ``kind`` "training": the forward, the fused call and every backward graph made later are cut from it, and a
-    backward graph is compiled only at its first backward, too late to fall back), naming the node."""
+    backward graph is compiled only at its first backward, too late to fall back), naming the node. What a
+    backward graph goes through after this (pruning, the backward pipeline, staging) adds no convolution and no
+    op of unknown rank (docs/design.md)."""
     refusal = openvino.dynamic_kernel(model.graph)
     if refusal is None:
         refusal = openvino.refusal(strip_stop_gradients(ir.to_proto(model)).SerializeToString())

@@ -199,9 +199,7 @@ def first_max_adjoint(g: GradContext, dy: ir.Value, x: ir.Value, y: ir.Value, pa
     stacked = b.Concat(*parts, axis=2) if len(parts) > 1 else parts[0]  # [N, C, P, O...]
     per_map = b.Reshape(stacked, b.Concat(b.ints([-1, len(offsets)]), spatial_shape(g, dy, n), axis=0))
     one_hot = np.eye(len(offsets), dtype=x.dtype.numpy()).reshape(len(offsets), 1, *win.kernel)
-    kernel = b.const(one_hot)
-    kernel.shape = ir.Shape(one_hot.shape)  # static: OpenVINO compiles no kernel of unknown size
-    full = b.ConvTranspose(per_map, kernel, strides=win.strides, dilations=win.dilations)
+    full = b.ConvTranspose(per_map, static_kernel(g, one_hot), strides=win.strides, dilations=win.dilations)
     one_map_like_x = b.Reshape(x, b.Concat(b.ints([-1, 1]), spatial_shape(g, x, n), axis=0))
     dx = b.Reshape(crop(g, full, pads.begin, one_map_like_x, win, n), b.Shape(x))
     dx.dtype = x.dtype  # dy (a sum of fan-ins) may carry none, and the rules after this one make constants like dx
@@ -209,7 +207,16 @@ def first_max_adjoint(g: GradContext, dy: ir.Value, x: ir.Value, y: ir.Value, pa
 
 
 def ones_kernel(g: GradContext, win: Window, like: ir.Value) -> ir.Value:
-    return g.b.const(np.ones([1, 1, *win.kernel], dtype=like.dtype.numpy()))
+    """A [1, 1, *kernel] kernel of ones (average pooling's gradient and window counts convolve with it)."""
+    return static_kernel(g, np.ones([1, 1, *win.kernel], dtype=like.dtype.numpy()))
+
+
+def static_kernel(g: GradContext, array: np.ndarray) -> ir.Value:
+    """A constant kernel whose shape the graph states: OpenVINO compiles no convolution with a kernel of unknown
+    size (:func:`onnxtrain.runtime.openvino.dynamic_kernel` refuses the graph before it runs)."""
+    kernel = g.b.const(array)
+    kernel.shape = ir.Shape(array.shape)
+    return kernel
 
 
 def window_counts(g: GradContext, x: ir.Value, out_like: ir.Value, pads: Pads, win: Window,
