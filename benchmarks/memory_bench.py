@@ -26,6 +26,9 @@ to no recompute (``budget 1.0``). "eager" is PyTorch without ORTModule, for comp
 ``--allocator glibc`` runs both sides on glibc with its own thresholds (no onnxruntime arena): one allocator
 for both, for step times without the fresh-page faults ``malloc`` charges (docs/memory.md).
 
+ORTModule exports where it does by default: in a child process under a budget below 1.0, in-process at ``none`` and
+``1.0`` (docs/memory.md, "Where the export runs by default"); ``--export-process in-process|spawn`` pins it.
+
 ``--workloads ondevice-bert`` (or ``ondevice-mlp``) runs the on-device artifacts instead, generated once per
 budget with ``generate_artifacts(recompute=Recompute(budget, dims=...))`` and trained by ``onnxtrain.api``
 (training and optimizer models), against eager PyTorch's step, with the same table and targets; the stash
@@ -306,8 +309,10 @@ def ondevice_worker(workload: str, budget: str, steps: int, scale: int, threads:
 def run_one(workload: str, budget: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", workload, budget, "--steps", str(args.steps),
            "--scale", str(args.scale), "--threads", str(args.threads)]
-    env = {**os.environ, **ALLOCATORS[args.allocator], ARTIFACTS_ENV: str(args.artifacts or ""),
-           "ONNXTRAIN_EXPORT_PROCESS": args.export_process}
+    env = {**os.environ, **ALLOCATORS[args.allocator], ARTIFACTS_ENV: str(args.artifacts or "")}
+    env.pop("ONNXTRAIN_EXPORT_PROCESS", None)
+    if args.export_process != "default":
+        env["ONNXTRAIN_EXPORT_PROCESS"] = args.export_process
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{workload} {budget} failed:\n{out.stderr[-3000:]}")
@@ -323,8 +328,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--allocator", choices=sorted(ALLOCATORS), default="malloc")
-    parser.add_argument("--export-process", choices=("0", "spawn"), default="0",
-                        help="ORTModule's export in a child process (ONNXTRAIN_EXPORT_PROCESS; docs/memory.md)")
+    parser.add_argument("--export-process", choices=("default", "in-process", "spawn"), default="default",
+                        help="where ORTModule exports (ONNXTRAIN_EXPORT_PROCESS; default: unset, so in a child "
+                             "process under a budget below 1.0 and here at 'none' and 1.0; docs/memory.md)")
     parser.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "BUDGET"))
     args = parser.parse_args(argv)
     if args.worker:

@@ -6,6 +6,7 @@ and the training process never imports the exporter nor keeps an exported progra
 from __future__ import annotations
 
 import copy
+import logging
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ import torch
 from onnxtrain import ORTModule
 from onnxtrain.capture.export import ExportError
 from onnxtrain.ortmodule import DebugOptions, export_process
+from onnxtrain.passes.recompute import Recompute
 
 SPAWN = {export_process.EXPORT_PROCESS_ENV: "spawn"}
 
@@ -111,7 +113,7 @@ def test_what_keeps_the_export_in_this_process(monkeypatch):
         assert "autocast" in export_process.why_not(ORTModule(torch.nn.Linear(2, 2)), [torch.randn(1, 2)])
     monkeypatch.setenv(export_process.EXPORT_PROCESS_ENV, "fork")
     with pytest.raises(ValueError, match="spawn"):
-        export_process.enabled()
+        export_process.decide(None, Recompute())
 
 
 def test_debug_options_choose_the_child_over_the_environment(monkeypatch):
@@ -141,6 +143,85 @@ def test_debug_options_choose_the_child_over_the_environment(monkeypatch):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="export_process"):
         DebugOptions(export_process="fork")
+
+
+def test_a_memory_budget_exports_in_a_child_by_default(monkeypatch, caplog):
+    """With neither the option nor the environment set, a schema's first export runs in the child where the
+    recompute plan asks for memory savings (a budget, patterns; the option or ONNX Runtime
+    Training's variables), in this process otherwise; one INFO line says which and why. (The child is stood in
+    for as above: it declines, the export runs here and trains as eager.)"""
+    asked = []
+
+    def declined(ortmodule, args, kwargs, tensors):
+        asked.append(type(ortmodule.module).__name__)
+        raise export_process.ChildUnavailable("declined by the test")
+
+    monkeypatch.setattr(export_process, "export", declined)
+    monkeypatch.delenv(export_process.EXPORT_PROCESS_ENV, raising=False)
+    x = torch.randn(3, 4)
+    cases = [({"recompute": 0.5}, {}, True, "a memory budget is set (recompute budget 0.5)"),
+             ({"recompute": "300MB"}, {}, True, "recompute budget 300000000"),
+             ({}, {"ORTMODULE_MEMORY_OPT_LEVEL": "1"}, True, "recompute budget 0.0"),
+             ({}, {"ORTMODULE_MEMORY_OPT_CONFIG": "Gelu+:1:-1"}, True, "recompute patterns ['Gelu+']"),
+             ({}, {}, False, "no memory budget is set"),
+             ({"recompute": "off"}, {}, False, "no memory budget is set"),
+             ({"recompute": 0.5, "export_process": "in-process"}, {}, False,
+              "DebugOptions(export_process=...) is 'in-process'"),
+             ({"export_process": "auto"}, {export_process.EXPORT_PROCESS_ENV: "spawn"}, False,
+              "no memory budget is set")]
+    for options, env, child, why in cases:
+        for name in ("ORTMODULE_MEMORY_OPT_LEVEL", "ORTMODULE_MEMORY_OPT_CONFIG"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        asked.clear()
+        caplog.clear()
+        torch.manual_seed(0)
+        eager = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        model = ORTModule(copy.deepcopy(eager), DebugOptions(log_level="INFO", **options))
+        with caplog.at_level(logging.INFO, logger="onnxtrain.ortmodule"):
+            for net in (eager, model):
+                net(x).sum().backward()
+        assert asked == (["Sequential"] if child else []), (options, env)
+        lines = [r.getMessage() for r in caplog.records if "process:" in r.getMessage()]
+        where = "in a child process" if child else "in this process"
+        start = f"exporting Sequential for a new input schema (s0_0) {where}: "
+        assert len([line for line in lines if line.startswith(start)]) == 1, lines
+        assert any(why in line for line in lines), (why, lines)
+        assert model.fallback_reason is None and model.export_count == 1
+        for got, want in zip(_grads(model), _grads(eager)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_child_builds_the_graphs_this_process_would(monkeypatch):
+    """The same model and batch under a budget, exported by default (in the child) and in this process: the same
+    backward graph, the same recompute plan, and bitwise the same losses and gradients over two steps."""
+    monkeypatch.delenv(export_process.EXPORT_PROCESS_ENV, raising=False)
+    ids, labels = torch.randint(0, 100, (4, 16)), torch.tensor([0, 1, 1, 0])
+    runs = {}
+    for mode in (None, "in-process"):
+        model = ORTModule(_bert(), DebugOptions(recompute=0.25, export_process=mode))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        values = []
+        for _ in range(2):
+            opt.zero_grad()
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            values += [loss.detach().clone(), *[g.clone() for g in _grads(model)]]
+            opt.step()
+        (graphs,) = [g for entries in model._cache.values() for g in entries]
+        (training,) = graphs.training.values()
+        plan = training.recompute
+        runs[mode] = (graphs.captured.model is None, values, training.backward_proto.SerializeToString(),
+                      (plan.stashed_bytes, plan.saved_bytes, plan.kept_bytes,
+                       [(c.pattern, c.on) for c in plan.candidates]))
+    (child, values, backward, plan), (here, values_here, backward_here, plan_here) = runs[None], runs["in-process"]
+    assert child and not here  # the default exported in the child, the option here
+    assert backward == backward_here
+    assert plan == plan_here
+    assert len(values) == len(values_here)
+    for got, want in zip(values, values_here):
+        assert torch.equal(got, want)
 
 
 _SCRIPT = textwrap.dedent("""

@@ -1,9 +1,9 @@
-"""The export and the training graphs built in a child process (``DebugOptions(export_process="spawn")`` or
-``ONNXTRAIN_EXPORT_PROCESS=spawn``).
+"""The export and the training graphs built in a child process: by default where a memory budget is set
+(:func:`decide`), always with ``DebugOptions(export_process="spawn")`` or ``ONNXTRAIN_EXPORT_PROCESS=spawn``.
 
 torch's ONNX exporter, onnxscript's op library and optimizer, and what they import and build once (sympy's,
 ``torch.export``'s and ``torch._functorch``'s modules) stay in a process once imported: BERT-small's RSS between
-steps holds about 75 MB of them (docs/memory.md, "What ORTModule holds between steps"). With this setting
+steps holds about 67 MB of them (docs/memory.md, "What ORTModule holds between steps"). With this setting
 ORTModule's first export of an input schema runs in a fresh Python process (``python -c``, running
 :func:`_child`): the model, the call's arguments and the options go there by
 ``torch.save``; the child wraps the model in an ORTModule, runs the export and builds the training graphs as the
@@ -49,8 +49,10 @@ from onnxtrain.ortmodule import guards as guarding
 logger = logging.getLogger("onnxtrain.ortmodule")
 
 EXPORT_PROCESS_ENV = "ONNXTRAIN_EXPORT_PROCESS"
-_CHILD = ("import sys; from pathlib import Path; from onnxtrain.ortmodule.export_process import _child; "
-          "_child(Path(sys.argv[1]), Path(sys.argv[2]))")
+# The child ends with os._exit once its answer is written: tearing down the exporter's modules and objects took
+# 2.5 s of BERT-small's first call (loaded machine), and nothing of the child's is needed after its answer.
+_CHILD = ("import os, sys; from pathlib import Path; from onnxtrain.ortmodule.export_process import _child; "
+          "_child(Path(sys.argv[1]), Path(sys.argv[2])); sys.stdout.flush(); sys.stderr.flush(); os._exit(0)")
 _MISSING = guarding._MISSING
 
 
@@ -62,23 +64,51 @@ class ChildExportError(RuntimeError):
     """An export error whose class could not be made again in the training process (its name leads the text)."""
 
 
-IN_PROCESS = ("0", "", "in-process")
+IN_PROCESS = ("0", "in-process")
+AUTO = ("", "auto")
 
 
-def enabled(option: str | None = None) -> bool:
-    """Whether the export runs in the child: ``option`` (``DebugOptions.export_process``: ``"spawn"`` or
-    ``"in-process"``) where given, else ``$ONNXTRAIN_EXPORT_PROCESS`` (``spawn``; ``0`` or unset: in-process)."""
+def decide(option: str | None, plan) -> tuple[bool, str]:
+    """Whether a schema's first export runs in the child, and why (the INFO line's reason).
+
+    ``option`` (``DebugOptions.export_process``) where given, else ``$ONNXTRAIN_EXPORT_PROCESS``: ``"spawn"``
+    always, ``"in-process"`` (``0``) never; ``"auto"`` (or neither set, the default) where ``plan`` (the
+    :class:`~onnxtrain.passes.recompute.Recompute` the graphs are built with) asks for memory savings: a budget
+    (a fraction under 1.0, or a number of bytes) or patterns to recompute. Such a user trades
+    a few seconds of a schema's first call for the exporter's modules (about 67 MB on BERT-small) kept out of
+    the process that trains; the graphs are the same either way."""
     if option is not None:
-        return check(option, "DebugOptions(export_process=...)") == "spawn"
-    return check(os.environ.get(EXPORT_PROCESS_ENV, "0"), EXPORT_PROCESS_ENV) == "spawn"
+        where, value = "DebugOptions(export_process=...)", check(option, "DebugOptions(export_process=...)")
+    else:
+        where, value = EXPORT_PROCESS_ENV, check(os.environ.get(EXPORT_PROCESS_ENV, ""), EXPORT_PROCESS_ENV)
+    if value != "auto":
+        return value == "spawn", f"{where} is {value!r}"
+    if saves_memory(plan):
+        return True, f"a memory budget is set ({_describe(plan)})"
+    return False, "no memory budget is set (export_process='spawn' exports in a child process)"
+
+
+def saves_memory(plan) -> bool:
+    """Whether a recompute plan asks for memory savings: a budget (a fraction under 1.0, or bytes), or patterns."""
+    budget = plan.budget
+    under = budget is not None and not (isinstance(budget, float) and budget >= 1.0)
+    return under or bool(plan.patterns)
+
+
+def _describe(plan) -> str:
+    if plan.budget is None:
+        return f"recompute patterns {sorted(plan.patterns)}"
+    return f"recompute budget {plan.budget!r}"
 
 
 def check(value: str, where: str) -> str:
-    """``value`` normalized (``"spawn"``, or ``"in-process"`` for ``0``, empty and itself); a clear error else."""
+    """``value`` normalized (``"spawn"``, ``"in-process"`` for ``0`` and itself, ``"auto"`` for empty and
+    itself); a clear error else."""
     value = str(value).strip().lower()
-    if value not in IN_PROCESS + ("spawn",):
-        raise ValueError(f"{where}={value!r}: use 'spawn' (export in a child process) or 'in-process' ('0')")
-    return value if value == "spawn" else "in-process"
+    if value not in IN_PROCESS + AUTO + ("spawn",):
+        raise ValueError(f"{where}={value!r}: use 'spawn' (export in a child process), 'in-process' ('0') or "
+                         "'auto' (in a child where a memory budget is set: the default)")
+    return "in-process" if value in IN_PROCESS else "auto" if value in AUTO else value
 
 
 def why_not(ortmodule, tensors: list[torch.Tensor]) -> str | None:

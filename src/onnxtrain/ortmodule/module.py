@@ -178,31 +178,36 @@ class ORTModule(torch.nn.Module):
                 warnings.warn(f"ORTModule exports {type(self.module).__name__} again: what its forward "
                               f"reads changed ({changed}), and the graph holds it as a constant", UserWarning,
                               stacklevel=5)
-        graphs = self._in_child(key, args, kwargs, tensors) if not entries else None
+        graphs, why = (self._in_child(key, args, kwargs, tensors) if not entries
+                       else (None, "a later variant of its schema (what the forward reads changed)"))
         if graphs is None:
             with young_objects_only():  # the export's object churn would otherwise make the collector walk it all
-                graphs = self._export(key, len(entries), args, kwargs, tensors, retraced)
+                graphs = self._export(key, len(entries), args, kwargs, tensors, retraced, why)
         entries.append(graphs)
         return graphs
 
-    def _in_child(self, key, args, kwargs, tensors) -> SchemaGraphs | None:
-        """The schema's graphs made in a child process (``DebugOptions.export_process``, ``$ONNXTRAIN_EXPORT_PROCESS``:
-        :mod:`onnxtrain.ortmodule.export_process`), or None where the export runs here (the reason logged)."""
-        if not export_process.enabled(self._debug.export_process):
-            return None
+    def _in_child(self, key, args, kwargs, tensors) -> tuple[SchemaGraphs | None, str]:
+        """The schema's graphs made in a child process (:func:`onnxtrain.ortmodule.export_process.decide`: where
+        a memory budget is set, or ``DebugOptions.export_process`` / ``$ONNXTRAIN_EXPORT_PROCESS`` asks), or None
+        where the export runs here; and why. One INFO line says where each export ran and why."""
+        spawn, why = export_process.decide(self._debug.export_process, self._debug.recompute_plan())
+        if not spawn:
+            return None, why
         reason = export_process.why_not(self, tensors)
         if reason is None:
-            self._schema_ids.setdefault(key, len(self._schema_ids))
+            logger.info("exporting %s for a new input schema (s%d_0) in a child process: %s (export_process="
+                        "'in-process' exports here)", type(self.module).__name__,
+                        self._schema_ids.setdefault(key, len(self._schema_ids)), why)
             try:
-                return export_process.export(self, args, kwargs, tensors)
+                return export_process.export(self, args, kwargs, tensors), why
             except export_process.ChildUnavailable as exc:
                 reason = str(exc)
-        logger.info("exporting %s in this process: %s", type(self.module).__name__, reason)
-        return None
+        return None, f"{why}, but {reason}"
 
-    def _export(self, key, index: int, args, kwargs, tensors, retraced=None) -> SchemaGraphs:
+    def _export(self, key, index: int, args, kwargs, tensors, retraced=None, why: str = "") -> SchemaGraphs:
         tag = f"s{self._schema_ids.setdefault(key, len(self._schema_ids))}_{index}"
-        logger.info("exporting %s for a new input schema (%s)", type(self.module).__name__, tag)
+        logger.info("exporting %s for a new input schema (%s) in this process: %s", type(self.module).__name__, tag,
+                    why)
         unsupported = distributed.unsupported(self.module)
         if unsupported is not None:
             raise NotImplementedError(unsupported)

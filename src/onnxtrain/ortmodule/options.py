@@ -17,6 +17,9 @@ Environment variables (read when an ORTModule is created):
 - ``ORTMODULE_MEMORY_OPT_LEVEL`` and ``ORTMODULE_MEMORY_OPT_CONFIG`` (ONNX Runtime Training's; read when
   training graphs are built) pick what backward recomputes instead of keeping from forward, where
   ``DebugOptions(recompute=...)`` does not: see :mod:`onnxtrain.passes.recompute`.
+- ``ONNXTRAIN_EXPORT_PROCESS=spawn|in-process|auto`` (read at a schema's first export; default ``auto``): where
+  the export and the training graphs are made, in a child process or here; ``auto`` makes them in the child
+  where a memory budget is set. ``DebugOptions(export_process=...)`` overrides it.
 - ``ONNXTRAIN_FUSED_STEP=0`` (read when training graphs are built) turns off the one-call forward +
   backward that OpenVINO runs when a scalar loss is the only output that can take a gradient
   (:mod:`onnxtrain.ortmodule.fused`); the forward and backward graphs then run as on onnxruntime.
@@ -137,9 +140,11 @@ class DebugOptions:
     string (``"0.5"``, ``"300MB"``, ``"off"``), or a ``Recompute``. The plan is logged at INFO.
 
     ``export_process``: ``"spawn"`` makes each input schema's first export and its training graphs in a child
-    process, so that the exporter's modules (about 75 MB for BERT-small) never load where the model trains
+    process, so that the exporter's modules (about 67 MB for BERT-small) never load where the model trains
     (:mod:`onnxtrain.ortmodule.export_process`; the first call takes a few seconds more); ``"in-process"``
-    exports here; None (default): ``$ONNXTRAIN_EXPORT_PROCESS`` (``spawn``), else in-process.
+    exports here; ``"auto"``: in the child where ``recompute`` (or ``$ORTMODULE_MEMORY_OPT_*``) asks for memory
+    savings, here otherwise; None (default): ``$ONNXTRAIN_EXPORT_PROCESS`` (the same three values; ``0`` is
+    ``in-process``), else ``"auto"``. One INFO line says where each first export ran and why.
     """
 
     log_level: LogLevel = field(default_factory=_env_log_level)
