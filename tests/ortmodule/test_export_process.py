@@ -254,3 +254,19 @@ def test_the_training_process_never_imports_the_exporter():
     assert out.returncode == 0, out.stderr[-3000:]
     (line,) = [x for x in out.stdout.splitlines() if x.startswith("RESULT")]
     assert line == "RESULT 1 None [] [] True", out.stderr[-3000:]
+
+
+def test_the_childs_log_records_reach_this_process_loggers(monkeypatch, caplog):
+    """What the export logs in the child (the recompute plan, on ``onnxtrain.passes``) is logged by this process's
+    loggers, so that their levels and handlers (here pytest's) take it as an in-process export's; the child's own
+    line on where it exports is left out (this process logs that line)."""
+    monkeypatch.delenv(export_process.EXPORT_PROCESS_ENV, raising=False)
+    ids, labels = torch.randint(0, 100, (4, 16)), torch.tensor([0, 1, 1, 0])
+    model = ORTModule(_bert(), DebugOptions(recompute=0.5, log_level="INFO"))
+    with caplog.at_level(logging.INFO, logger="onnxtrain"):
+        model(input_ids=ids, labels=labels).loss.backward()
+    messages = [(r.name, r.getMessage()) for r in caplog.records]
+    assert [m for name, m in messages if m.startswith("recompute plan:")], messages
+    assert [name for name, m in messages if m.startswith("recompute plan:")] == ["onnxtrain.passes"]
+    exporting = [m for _, m in messages if m.startswith("exporting BertForSequenceClassification")]
+    assert len(exporting) == 1 and "in a child process: a memory budget is set" in exporting[0], exporting

@@ -20,6 +20,9 @@ What crosses the boundary besides the graphs:
   export the next call would then make (the graph traced again with the new values) is made in the child;
 - an export error: raised again with its class and message, so that the fallback and its one-line reason are
   those of an in-process export.
+- the child's log records (every level of the ``onnxtrain`` loggers): logged again here by the same loggers, so
+  that this process's levels and handlers take them as an in-process export's (the recompute plan at INFO on
+  ``onnxtrain.passes``); its other output (warnings, the exporter's own) is written to this process's stderr.
 
 Where the child cannot be used the export runs in-process as before, decided before any graph runs, with the
 reason logged at INFO (:func:`why_not` before the child; after it, a model or argument that cannot be pickled
@@ -155,6 +158,8 @@ def export(ortmodule, args, kwargs, tensors: list[torch.Tensor]):
         if not response.exists():
             raise ChildUnavailable(f"the export process ended with code {done.returncode} and no answer")
         answer = torch.load(response, weights_only=False)
+    for name, level, message in answer.get("logs", ()):  # as this process's loggers and handlers take them
+        logging.getLogger(name).log(level, "%s", message)
     if "unavailable" in answer:
         raise ChildUnavailable(answer["unavailable"])
     if "error" in answer:
@@ -179,11 +184,41 @@ def _error(module_name: str, qualname: str, message: str) -> Exception:
 
 # -- the child ------------------------------------------------------------------------------------------------
 
+class _Kept(logging.Handler):
+    """The child's onnxtrain log records, all levels, for the training process to log as its own (so that its
+    handlers, levels and filters apply, as to an in-process export's); the child's own line saying where it
+    exports is left out (the training process said it)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[tuple[str, int, str]] = []
+
+    def emit(self, record):
+        if not (record.name == "onnxtrain.ortmodule" and record.funcName == "_export"):
+            self.records.append((record.name, record.levelno, record.getMessage()))
+
+
+def _keep_logs(kept: _Kept) -> None:
+    """Send every onnxtrain record to ``kept`` only (made again after ORTModule sets its loggers' levels)."""
+    root = logging.getLogger("onnxtrain")
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.addHandler(kept)
+    root.setLevel(logging.DEBUG)
+    root.propagate = False
+    for name, each in logging.root.manager.loggerDict.items():
+        if name.startswith("onnxtrain.") and isinstance(each, logging.Logger):
+            each.setLevel(logging.NOTSET)
+
+
 def _child(request: Path, response: Path) -> None:
+    kept = _Kept()
+    _keep_logs(kept)
     try:
         asked = torch.load(request, weights_only=False)
     except Exception as exc:  # noqa: BLE001 - e.g. a class the child cannot import
-        _write({"unavailable": f"the child could not load the model ({type(exc).__name__}: {exc})"}, response)
+        _write({"unavailable": f"the child could not load the model ({type(exc).__name__}: {exc})"}, response,
+               kept)
         return
     from onnxtrain.ortmodule.module import ORTModule
 
@@ -191,6 +226,7 @@ def _child(request: Path, response: Path) -> None:
     module, args, kwargs = asked["module"], asked["args"], asked["kwargs"]
     ortmodule = ORTModule(module, dataclasses.replace(asked["debug"], fallback=False, export_process="in-process"),
                           asked["backend"])
+    _keep_logs(kept)  # the options set the loggers' levels and onnxtrain's stderr handler again
     recorded: list = []
     try:
         with torch.set_grad_enabled(asked["grad"]):
@@ -203,16 +239,19 @@ def _child(request: Path, response: Path) -> None:
                 recorded.append(_built_sessions(graphs))
             ortmodule._training_for(graphs, tensors, ortmodule._state(graphs))
     except Exception as exc:  # noqa: BLE001 - the export's own failure: raised again in the training process
-        _write({"error": (type(exc).__module__, type(exc).__qualname__, str(exc))}, response)
+        _write({"error": (type(exc).__module__, type(exc).__qualname__, str(exc))}, response, kept)
         return
     try:
-        _write(_ship(ortmodule, graphs, first, recorded[-1]), response)
+        _write(_ship(ortmodule, graphs, first, recorded[-1]), response, kept)
     except Exception as exc:  # noqa: BLE001 - a guard without a path, a value that cannot be pickled
-        _write({"unavailable": f"the child could not send the graphs back ({type(exc).__name__}: {exc})"}, response)
+        _write({"unavailable": f"the child could not send the graphs back ({type(exc).__name__}: {exc})"}, response,
+               kept)
 
 
-def _write(answer: dict, response: Path) -> None:
-    """``answer`` saved whole or not at all (a value that cannot be pickled fails half-way)."""
+def _write(answer: dict, response: Path, kept: _Kept) -> None:
+    """``answer`` and the log records so far saved whole or not at all (a value that cannot be pickled fails
+    half-way)."""
+    answer = {**answer, "logs": kept.records}
     part = response.with_suffix(".part")
     torch.save(answer, part)
     os.replace(part, response)
