@@ -42,8 +42,9 @@ DESCRIPTIONS = {
 
 
 # -- workloads (random weights, synthetic data) -------------------------------------------------
-def make_workload(name: str, scale: int = 1):
-    """The workload's model and loss function; ``scale`` multiplies the batch."""
+def make_workload(name: str, scale: int = 1, dropout: float = 0.0):
+    """The workload's model and loss function; ``scale`` multiplies the batch; ``dropout``: BERT's and GPT-2's
+    dropout probabilities (0 by default, as the timings in BENCHMARKS.md were taken)."""
     import torch
 
     torch.manual_seed(0)
@@ -60,7 +61,7 @@ def make_workload(name: str, scale: int = 1):
         from transformers import BertConfig, BertForSequenceClassification
 
         config = BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
-                            vocab_size=30522, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                            vocab_size=30522, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
         model = BertForSequenceClassification(config)
         ids = torch.randint(0, 30522, (8 * scale, 128))
         mask = torch.ones(8 * scale, 128, dtype=torch.int64)
@@ -70,7 +71,7 @@ def make_workload(name: str, scale: int = 1):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         config = GPT2Config(n_embd=256, n_layer=4, n_head=4, vocab_size=50257, use_cache=False,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
         model = GPT2LMHeadModel(config)
         ids = torch.randint(0, 50257, (4 * scale, 128))
         return model, lambda m: m(input_ids=ids, labels=ids).loss
@@ -130,11 +131,11 @@ def make_optimizer(params, mode: str, kind: str):
 
 
 def worker(workload: str, mode: str, steps: int, warmup: int, threads: int, optimizer_kind: str = "adamw",
-           min_seconds: float = 0.0) -> dict:
+           min_seconds: float = 0.0, dropout: float = 0.0) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    model, loss_fn = make_workload(workload)
+    model, loss_fn = make_workload(workload, dropout=dropout)
     model.train()
     runner = wrap(model, mode)
     optimizer = make_optimizer(model.parameters(), mode, optimizer_kind)
@@ -170,7 +171,7 @@ def run_one(workload: str, mode: str, args) -> dict:
     command = [sys.executable, __file__, "--worker", workload, mode, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--threads", str(args.threads),
                "--optimizer", getattr(args, "optimizer", "adamw"),
-               "--min-seconds", str(getattr(args, "min_seconds", 0.0))]
+               "--min-seconds", str(getattr(args, "min_seconds", 0.0)), "--dropout", str(getattr(args, "dropout", 0.0))]
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -267,11 +268,13 @@ def main(argv=None) -> int:
     parser.add_argument("--min-seconds", type=float, default=2.0,
                         help="time more steps than --steps until they add up to this many seconds")
     parser.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="BERT's and GPT-2's dropout probabilities (their configurations' default is 0.1)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(*args.worker, args.steps, args.warmup, args.threads, args.optimizer,
-                                args.min_seconds)))
+                                args.min_seconds, args.dropout)))
         return 0
     if args.steps < 20:
         parser.error("--steps must be at least 20")

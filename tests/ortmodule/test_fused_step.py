@@ -50,11 +50,12 @@ def _training(model: ORTModule):
     return training
 
 
-def _compare(objective, steps: int = 2, **ort_kwargs):
+def _compare(objective, steps: int = 2, dropout: float = 0.0, **ort_kwargs):
     """Run ``objective(loss, logits)`` backward and an SGD step ``steps`` times on eager and on ORTModule
-    (OpenVINO float32); outputs, gradients and parameters must agree at every step."""
+    (OpenVINO float32), each from the same RNG state; outputs, gradients and parameters must agree at every
+    step."""
     torch.manual_seed(0)
-    eager = LossNet()
+    eager = LossNet(dropout)
     ort = ORTModule(copy.deepcopy(eager), backend="openvino", **ort_kwargs)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, ort)]
     for step in range(steps):
@@ -62,6 +63,7 @@ def _compare(objective, steps: int = 2, **ort_kwargs):
         results = []
         for model, opt in zip((eager, ort), opts):
             opt.zero_grad(set_to_none=True)
+            torch.manual_seed(100 + step)  # the same dropout masks (passes/dropout_masks.py)
             loss, logits = model(ids, labels)
             objective(loss, logits).backward()
             results.append((loss.detach(), logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -126,16 +128,34 @@ def test_in_place_change_before_the_exact_path_is_refused():
         (loss + logits.sum()).backward()
 
 
+class NoisyNet(LossNet):
+    """Noise from ``torch.rand_like``: a random op in the graph, drawn by the engine."""
+
+    def forward(self, ids, labels):
+        h = torch.tanh(self.inp(self.emb(ids)))
+        logits = self.out(h + 0.01 * torch.rand_like(h))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
+
+
 @pytest.mark.filterwarnings("ignore:OpenVINO cannot convert a graph")
 def test_not_fused_where_a_second_forward_could_differ_or_on_onnxruntime():
     torch.manual_seed(0)
-    model = ORTModule(LossNet(dropout=0.5), backend="openvino")
+    model = ORTModule(NoisyNet(), backend="openvino")
     loss, _ = model(*_batch(0))
     loss.backward()
     assert _training(model).fused is None
     assert fused.why_not("onnxruntime", False, [], [], []) == "the graphs run on onnxruntime"
     assert "buffers" in fused.why_not("openvino", False, ["bn.running_mean"], [], [])
     assert "0 differentiable outputs are scalars" in fused.why_not("openvino", False, [], [], [])
+
+
+@pytest.mark.parametrize("objective", ["loss", "loss_and_logits"])
+def test_dropout_is_fused_and_draws_eager_masks(objective):
+    """Dropout's keep-masks are drawn by torch as eager draws them (passes/dropout_masks.py): the fused call runs,
+    and both it and the exact path (a second forward on the saved masks) give eager's loss and gradients."""
+    model = _compare((lambda loss, logits: loss) if objective == "loss" else
+                     (lambda loss, logits: loss + 0.1 * logits.square().mean()), steps=3, dropout=0.5)
+    assert _training(model).fused is not None
 
 
 def test_the_fused_loss_is_a_log_sum_exp_and_matches_eager():

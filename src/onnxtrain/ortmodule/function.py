@@ -1,6 +1,7 @@
 """The ``torch.autograd.Function`` that runs the forward graph and, on backward, the backward graph.
 
-Its inputs are ``[*user input tensors, *parameters and buffers]``; the parameters are the user's own
+Its inputs are ``[*user input tensors, *parameters and buffers]`` (the graphs take the dropout masks drawn here
+after them: :func:`reseed`); the parameters are the user's own
 ``torch.nn.Parameter`` objects, so autograd accumulates the gradients the backward graph returns into
 their ``.grad`` (and DDP's hooks, gradient clipping and optimizers see them as usual). Where the training
 graphs have a fused step (:mod:`onnxtrain.ortmodule.fused`), forward computes the loss's gradients too and
@@ -19,21 +20,29 @@ from onnxtrain.passes.defer_row_scatters import RowScatters
 from onnxtrain.utils.ort_options import release_arena
 
 
-def reseed(graphs: SchemaGraphs) -> None:
-    """Draw onnxruntime's seed from torch's generator so that dropout follows ``torch.manual_seed``."""
+def reseed(graphs: SchemaGraphs, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The dropout keep-masks for a run on ``tensors`` (the user inputs come first), drawn from torch's generator
+    as eager draws them, in eager's order (:mod:`onnxtrain.passes.dropout_masks`), after onnxruntime's seed,
+    drawn from it too where the graph keeps random ops: both follow ``torch.manual_seed``."""
     if graphs.random:
         ort.set_seed(int(torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64).item()))
+    return [_keep_mask(m.shape(tensors), m.keep, graphs.device) for m in graphs.masks]
+
+
+def _keep_mask(shape: tuple[int, ...], keep: float, device: torch.device) -> torch.Tensor:
+    mask = torch.empty(shape, dtype=torch.bool, device=device)
+    return mask.bernoulli_(keep) if mask.numel() else mask  # eager's dropout of an empty tensor draws nothing
 
 
 class ORTFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, graphs: SchemaGraphs, training: Training, *tensors: torch.Tensor):
-        reseed(graphs)
+    def forward(ctx, graphs: SchemaGraphs, training: Training, *given: torch.Tensor):
+        tensors = [*given, *reseed(graphs, given)]  # the graphs' inputs: the masks come last
         if training.release:  # what was freed since the last step (its gradients, at zero_grad) goes back first
             release_arena()
         n_visible = graphs.num_outputs + len(graphs.mutated_buffers)
         ctx.training = training
-        ctx.num_tensors = len(tensors)
+        ctx.num_tensors = len(given)
         ctx.scatter_like = [_like(tensors[training.wrt[s.gradient]]) for s in training.row_scatters.scatters]
         fused = training.fused
         if fused is not None:  # outputs and the loss's gradients in one call (onnxtrain.ortmodule.fused)

@@ -15,8 +15,9 @@ only where
 
 - the graphs run on OpenVINO (onnxruntime keeps its staged backward, which frees the stash as it goes);
 - exactly one differentiable output is 0-d and floating point (the loss);
-- the graph has no random ops (a second forward must draw what the first drew) and mutates no buffer
-  (a second forward would read the updated buffer);
+- the graph has no random ops (a second forward must draw what the first drew; dropout's masks are inputs,
+  :mod:`onnxtrain.passes.dropout_masks`, read again by a second forward) and mutates no buffer (a second
+  forward would read the updated buffer);
 - embedding gradients come out of the fused graph as ids and rows with the same ``padding_idx`` and
   ``scale_grad_by_freq`` handling as the split backward's (:mod:`onnxtrain.passes.defer_row_scatters`).
 

@@ -1,7 +1,8 @@
 """The graphs ORTModule runs for one input schema: an inference graph, and forward + backward graphs.
 
-Every graph takes ``[*user input tensors, *module state]`` where the state is the module's parameters and
-buffers as graph inputs (fed from the live torch tensors on each run). Outputs: the user outputs, then the
+Every graph takes ``[*user input tensors, *module state, *dropout masks]`` where the state is the module's
+parameters and buffers as graph inputs (fed from the live torch tensors on each run) and the masks are drawn
+by torch before each run (:mod:`onnxtrain.passes.dropout_masks`). Outputs: the user outputs, then the
 new values of mutated buffers; the forward graph adds the values backward needs.
 """
 
@@ -32,6 +33,7 @@ from onnxtrain.ortmodule.options import FUSED_STEP_ENV, MIN_STAGE_BYTES, backwar
 from onnxtrain.passes import Split, pipeline, split_forward_backward
 from onnxtrain.passes.cast_outputs import cast_outputs
 from onnxtrain.passes.defer_row_scatters import RowScatters, defer_row_scatters
+from onnxtrain.passes.dropout_masks import Mask, dropout_masks
 from onnxtrain.passes.precision import apply_precision
 from onnxtrain.passes.recompute import Plan as RecomputePlan
 from onnxtrain.passes.recompute import Recompute, dims_from_inputs
@@ -154,6 +156,8 @@ class SchemaGraphs:
     training: dict[tuple[bool, ...], Training] = field(default_factory=dict)
     guards: Guards = field(default_factory=Guards)  # the Python values the graph holds as constants
     traced: tuple | None = None  # capture/structure.py's key, kept when the forward changed what it read
+    # Dropout keep-masks drawn by torch before each run, the graphs' last inputs (passes/dropout_masks.py).
+    masks: list[Mask] = field(default_factory=list)
 
     @property
     def num_outputs(self) -> int:
@@ -202,11 +206,13 @@ class SchemaGraphs:
 
 
 def prepare(captured: Captured, state_names: list[str], device: torch.device, log_severity: int) -> SchemaGraphs:
+    order = [n.name for n in captured.model.graph if n.op_type == "Dropout"]  # the trace's order: eager's
     model = pipeline.ortmodule_prepare(state_names)(captured.model)
+    num_inputs = len(model.graph.inputs) - len(state_names)
+    masks = dropout_masks(model, num_inputs, order)  # after the shapes are known; the masks go after the state
     proto = ir_version_for_onnxruntime(ir.to_proto(model))
     random = any(n.op_type in RANDOM_OPS for n in proto.graph.node)
-    num_inputs = len(proto.graph.input) - len(state_names)
-    return SchemaGraphs(captured, state_names, num_inputs, proto, random, device, log_severity)
+    return SchemaGraphs(captured, state_names, num_inputs, proto, random, device, log_severity, masks=masks)
 
 
 def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver | None = None,

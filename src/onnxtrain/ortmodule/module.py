@@ -301,8 +301,9 @@ class ORTModule(torch.nn.Module):
     def _verify(self, graphs: SchemaGraphs, training, args, kwargs, tensors, state, spec) -> str | None:
         """Run this batch through onnxruntime and through eager from the same RNG state and buffers;
         the first output or gradient that differs, or None (:mod:`onnxtrain.ortmodule.verify`)."""
-        unchecked = ("it draws random numbers (dropout) that onnxruntime draws differently from PyTorch; verify "
-                     "it with dropout set to 0" if graphs.random else
+        unchecked = ("it draws random numbers that onnxruntime draws differently from PyTorch (an op other than "
+                     "dropout, or a dropout whose shape the inputs do not tell); verify it with those off"
+                     if graphs.random else
                      "it runs under torch.autocast, whose precision differs from eager's by design"
                      if any(_autocast_state()[k][0] for k in range(2)) else None)
         if unchecked:
@@ -339,8 +340,7 @@ class ORTModule(torch.nn.Module):
     def _run_inference(self, graphs: SchemaGraphs, tensors, state) -> list[torch.Tensor]:
         session = graphs.inference_session()
         with torch.no_grad():
-            reseed(graphs)
-            return session.run([*tensors, *state])
+            return session.run([*tensors, *state, *reseed(graphs, tensors)])
 
     def _update_buffers(self, graphs: SchemaGraphs, values) -> None:
         if not graphs.mutated_buffers:

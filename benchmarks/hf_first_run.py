@@ -1,0 +1,114 @@
+"""A new user's first run: ORTTrainer(bf16=True) against Hugging Face Trainer(bf16=True) on a default BERT.
+
+The script as a new user writes it: ``BertForSequenceClassification`` from ``BertConfig`` with its defaults
+(dropout 0.1, attention ``sdpa`` unless ``--attn eager``) but 2 layers, random weights, synthetic token ids and
+labels, ``TrainingArguments(bf16=True, use_cpu=True)``, batch 16, sequence 128, AdamW. Each (trainer, attention)
+pair runs in a process of its own, the pairs in turn (``--repeats``), so that the trainers are compared in one
+sitting. Printed per run: the median step time over the steps after ``--warmup`` (each step timed from
+``on_step_begin`` to ``on_step_end``: forward, backward, optimizer), what ORTModule fell back with (if it did),
+and the 20 losses; then per attention the medians, ORTTrainer's speed as a multiple of Trainer's (above 1:
+faster) and the largest difference between the two trainers' losses, step by step from the same seed (the
+dropout masks are eager's: passes/dropout_masks.py).
+
+    python benchmarks/hf_first_run.py [--attn sdpa eager] [--steps 20] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+
+def run(trainer_kind: str, attn: str, steps: int, batch: int, seq: int, layers: int) -> dict:
+    import torch
+    import transformers
+
+    from onnxtrain.hf import ORTTrainer, ORTTrainingArguments
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(num_hidden_layers=layers, num_labels=2, attn_implementation=attn)
+    model = transformers.BertForSequenceClassification(config)
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": torch.randint(0, config.vocab_size, (seq,), generator=g),
+             "attention_mask": torch.ones(seq, dtype=torch.long),
+             "labels": torch.randint(0, 2, (), generator=g)} for _ in range(steps * batch)]
+    times, losses = [], []
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter() - self.start)
+
+    base = ORTTrainer if trainer_kind == "ort" else transformers.Trainer
+    args_class = ORTTrainingArguments if trainer_kind == "ort" else transformers.TrainingArguments
+
+    class Recording(base):
+        def compute_loss(self, *args, **kwargs):
+            loss = super().compute_loss(*args, **kwargs)
+            losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
+            return loss
+
+    args = args_class(output_dir="/tmp/hf_first_run", bf16=True, use_cpu=True, per_device_train_batch_size=batch,
+                      max_steps=steps, learning_rate=5e-5, report_to=[], save_strategy="no", logging_strategy="no",
+                      seed=0, disable_tqdm=True)
+    trainer = Recording(model=model, args=args, train_dataset=data, callbacks=[Clock()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    wrapped = getattr(trainer, "model_wrapped", None)
+    reason = getattr(wrapped, "fallback_reason", None)
+    notes = sorted({str(w.message).splitlines()[0][:160] for w in caught if "ORTModule" in str(w.message)
+                    or "OpenVINO" in str(w.message)})
+    return {"times": times, "losses": losses, "fallback": reason and reason.splitlines()[0][:200], "notes": notes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--attn", nargs="+", default=["sdpa", "eager"], choices=["sdpa", "eager"])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the median (the export)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--child", nargs=2, metavar=("TRAINER", "ATTN"), help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.child:
+        result = run(opts.child[0], opts.child[1], opts.steps, opts.batch, opts.seq, opts.layers)
+        print("RESULT " + json.dumps(result))
+        return
+    results: dict[tuple[str, str], list[dict]] = {}
+    for _ in range(opts.repeats):
+        for attn in opts.attn:
+            for kind in ("hf", "ort"):
+                out = subprocess.run([sys.executable, __file__, "--child", kind, attn, "--steps", str(opts.steps),
+                                      "--batch", str(opts.batch), "--seq", str(opts.seq), "--layers",
+                                      str(opts.layers)], capture_output=True, text=True, check=False)
+                line = next((s for s in out.stdout.splitlines() if s.startswith("RESULT ")), None)
+                if line is None:
+                    sys.exit(f"{kind}/{attn} failed:\n{out.stderr[-3000:]}")
+                result = json.loads(line[len("RESULT "):])
+                results.setdefault((kind, attn), []).append(result)
+                median = statistics.median(result["times"][opts.warmup:]) * 1e3
+                print(f"{kind:3s} {attn:5s} step {median:7.1f} ms  fallback: {result['fallback']}  "
+                      f"notes: {result['notes']}", flush=True)
+    for attn in opts.attn:
+        hf, ort = results[("hf", attn)], results[("ort", attn)]
+        med = {k: statistics.median(statistics.median(r["times"][opts.warmup:]) for r in rs) * 1e3
+               for k, rs in (("hf", hf), ("ort", ort))}
+        worst = max(abs(a - b) for a, b in zip(hf[0]["losses"], ort[0]["losses"]))
+        print(f"{attn}: Trainer bf16 {med['hf']:.1f} ms, ORTTrainer bf16 {med['ort']:.1f} ms "
+              f"({med['hf'] / med['ort']:.2f}x); losses over {opts.steps} steps differ by at most {worst:.4f}")
+        print(f"  Trainer losses    {[round(x, 4) for x in hf[0]['losses']]}")
+        print(f"  ORTTrainer losses {[round(x, 4) for x in ort[0]['losses']]}")
+
+
+if __name__ == "__main__":
+    main()

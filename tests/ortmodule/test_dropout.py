@@ -1,0 +1,145 @@
+"""Dropout under ORTModule: the keep-masks are drawn by torch as eager draws them (passes/dropout_masks.py).
+
+From the same RNG state ORTModule's masks are eager's: a dropout's output and its input gradient are eager's
+bit for bit, a model's outputs and gradients agree with eager's to float32 rounding (so verify can check a
+dropout model), and the masks reach OpenVINO, which converts no training-mode ``Dropout``, as graph inputs.
+Statistics (keep rate, a new mask each step, ``torch.manual_seed``) are in test_ortmodule.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from onnxtrain import DebugOptions, ORTModule
+from onnxtrain.passes.dropout_masks import dropout_masks
+from onnxtrain.runtime import backends
+from tests.ortmodule import models
+from tests.ortmodule.conftest import trainings
+
+
+class Drop(torch.nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 24))
+
+    def forward(self, x):
+        h = torch.nn.functional.dropout(x * self.w, self.p, self.training)
+        return torch.nn.functional.dropout(h * self.w, self.p / 2, self.training)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.3])
+def test_dropout_is_eagers_bit_for_bit(p):
+    """Products by a weight only (no op whose kernels round differently): the same masks make the same bits,
+    forward and input gradient."""
+    reference = Drop(p)
+    model = ORTModule(copy.deepcopy(reference))
+    for step in range(3):
+        x = torch.randn(5, 7, 24, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        torch.manual_seed(step)
+        got = model(x)
+        torch.manual_seed(step)
+        want = reference(x_ref)
+        assert torch.equal(got, want)
+        dy = torch.randn_like(want)
+        got.backward(dy)
+        want.backward(dy)
+        assert torch.equal(x.grad, x_ref.grad)
+        torch.testing.assert_close(model.w.grad, reference.w.grad, rtol=1e-5, atol=1e-5)  # sums in another order
+    (graphs,) = [g for entries in model._cache.values() for g in entries]
+    assert len(graphs.masks) == 2 and not graphs.random
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_bert_dropout_follows_eagers_masks_and_verify_checks_it(attn):
+    torch.manual_seed(0)
+    reference = models.bert(dropout=0.1)
+    reference.config._attn_implementation = attn
+    model = ORTModule(copy.deepcopy(reference), DebugOptions(verify=True))
+    batch = models.text_batch(4, 16, classify=True, generator=torch.Generator().manual_seed(1))
+    for step in range(2):
+        torch.manual_seed(10 + step)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # verify checks it: no "cannot check" warning
+            got = model(**batch)
+        torch.manual_seed(10 + step)
+        want = reference(**batch)
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+        got.loss.backward()
+        want.loss.backward()
+    for (name, p), q in zip(reference.named_parameters(), model.module.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert model.fallback_reason is None
+    (graphs,) = [g for entries in model._cache.values() for g in entries][:1]
+    assert len(graphs.masks) == 8  # embeddings, 3 per layer (attention weights among them), the pooler
+
+
+@pytest.mark.skipif(not backends.openvino_installed() or not backends.openvino_has_bf16(),
+                    reason="needs onnxtrain[openvino] and a CPU with bfloat16 arithmetic")
+def test_dropout_runs_on_openvino_under_autocast_bf16():
+    """Before: OpenVINO could not convert the Dropout and the forward ran on onnxruntime in float32."""
+    torch.manual_seed(0)
+    reference = models.bert(dropout=0.1)
+    reference.config._attn_implementation = "eager"
+    model = ORTModule(copy.deepcopy(reference))
+    batch = models.text_batch(4, 16, classify=True, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "OpenVINO cannot convert a graph"
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.manual_seed(3)
+            got = model(**batch)
+        got.loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(3)
+        want = reference(**batch)
+        torch.manual_seed(4)
+        other = reference(**batch)  # another mask: farther from ORTModule's than eager's own mask is
+    (training,) = trainings(model)
+    assert training.fused is not None and training.fused.session.backend == "openvino"
+    near = (got.logits.float() - want.logits.float()).abs().max()
+    far = (other.logits.float() - want.logits.float()).abs().max()
+    assert near < 0.25 * far, (near, far)
+
+
+def _model(shape_of_x: list, dropouts: list[list]) -> ir.Model:
+    """A graph whose input x has ``shape_of_x``; each dropout reads a value declared with the given shape."""
+    nodes, infos, outputs = [], [], []
+    nodes.append(helper.make_node("Constant", [], ["ratio"], value=helper.make_tensor("", TensorProto.FLOAT, [], [0.1])))
+    nodes.append(helper.make_node("Constant", [], ["train"], value=helper.make_tensor("", TensorProto.BOOL, [], [True])))
+    for k, shape in enumerate(dropouts):
+        nodes.append(helper.make_node("Identity", ["x"], [f"h{k}"]))
+        nodes.append(helper.make_node("Dropout", [f"h{k}", "ratio", "train"], [f"y{k}"], name=f"drop{k}"))
+        infos.append(helper.make_tensor_value_info(f"h{k}", TensorProto.FLOAT, shape))
+        outputs.append(helper.make_tensor_value_info(f"y{k}", TensorProto.FLOAT, shape))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape_of_x)],
+                              outputs, value_info=infos)
+    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def test_masks_are_drawn_in_the_exported_order_and_scale_as_eager():
+    model = _model(["n", 4], [["n", 4], [2, "n", 4]])
+    masks = dropout_masks(model, 1, ["drop1", "drop0"])  # the order the trace ran them in
+    assert [m.dims for m in masks] == [(2, (0, 0), 4), ((0, 0), 4)]
+    assert [m.keep for m in masks] == [0.9, 0.9]  # 1 - 0.1, not 1 - float32(0.1)
+    assert "Dropout" not in {n.op_type for n in model.graph}
+    assert [v.name for v in model.graph.inputs][1:] == [m.name for m in masks]
+    scales = [n.attributes["value"].as_tensor().numpy() for n in model.graph if n.op_type == "Constant"]
+    eager = torch.ones(3).div_(0.9)[0].item()
+    assert any(float(s) == eager for s in scales if s.dtype == np.float32 and s.shape == ())
+
+
+def test_no_dropout_is_rewritten_where_one_shape_is_unknown():
+    """A partial rewrite would draw in another order than eager: the graph keeps onnxruntime's Dropout."""
+    model = _model(["n", 4], [["n", 4], ["m", 4]])  # "m": no input axis has it (a data-dependent size)
+    assert dropout_masks(model, 1, ["drop0", "drop1"]) == []
+    assert [n.op_type for n in model.graph].count("Dropout") == 2
+    onnx.checker.check_model(ir.to_proto(model))
