@@ -119,6 +119,41 @@ def test_products_autocast_does_not_lower_fall_back_with_the_reason(kind, dtype,
     _near_autocast(grads, eager, exact, floor=1e-5)
 
 
+class _Attention(torch.nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(*x.shape[:2], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.p).float().sum(1)
+
+
+@bf16_runs
+def test_attention_eager_computes_in_float32_falls_back_saying_what_runs_it_in_bf16(monkeypatch):
+    """PyTorch's CPU kernel for attention with dropout_p > 0 (its math kernel) computes in float32 from the bfloat16
+    q, k, v under autocast; with dropout_p = 0 (its flash kernel) in bfloat16, which the graphs follow."""
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 16)
+    model = ORTModule(_Attention(0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _step(model, x, torch.bfloat16)
+    reason = model.fallback_reason
+    assert reason is not None and "scaled_dot_product_attention computes in" in reason and "test_autocast_policy.py:" in reason
+    assert 'attn_implementation="eager"' in reason and "torch.float32" in reason
+    (warning,) = [w for w in caught if "falls back to PyTorch" in str(w.message)]
+    assert 'attn_implementation="eager"' in str(warning.message)  # within the warning's one line
+
+    model = ORTModule(_Attention(0.0))
+    out, _ = _step(model, x, torch.bfloat16)
+    assert model.fallback_reason is None
+    eager_out, _ = _step(_Attention(0.0), x, torch.bfloat16)
+    assert out.dtype == eager_out.dtype
+
+
 def test_float64_products_stay_under_fp16():
     """The float16 pass lowers float32 values only: a float64 product runs float64, as in eager, and stays
     on the graphs (fallback is off here), each gradient within 2x eager autocast's error against float64."""

@@ -35,6 +35,7 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from onnxtrain.capture.flatten import flatten, unflatten
@@ -71,6 +72,11 @@ class AutocastRun:
     # (aten product, dtype) -> the model's line that first ran it so ("file:line"; the innermost frame outside
     # torch and onnxtrain), for the reason a product off autocast's policy gives
     sites: dict[tuple[str, torch.dtype], str] = field(default_factory=dict)
+    # The operand dtypes of the products run inside ``F.scaled_dot_product_attention`` (not in ``products``): on
+    # CPU under autocast its math kernel (chosen with dropout_p > 0) computes in float32 from the low-type
+    # inputs, its flash kernel in the low type
+    attention: set[torch.dtype] = field(default_factory=set)
+    attention_site: str | None = None  # the model's line of the first attention call
 
     def off_policy(self, low: torch.dtype, lowered: frozenset) -> list[str]:
         """The products eager runs in a type the backend would lower to ``low``: "mm in torch.float32 at
@@ -80,19 +86,43 @@ class AutocastRun:
                 if dtype != low and dtype in lowered]
 
 
+class _Attention(TorchFunctionMode):
+    """Marks the calls of ``F.scaled_dot_product_attention`` (however the model imported it), so that
+    :class:`_Products` files the products its kernel runs under the attention."""
+
+    def __init__(self, run: AutocastRun):
+        super().__init__()
+        self.run, self.depth = run, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **(kwargs or {}))
+        if self.run.attention_site is None:
+            self.run.attention_site = _model_line()
+        self.depth += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.depth -= 1
+
+
 class _Products(TorchDispatchMode):
     """Records the operand dtypes of each product the dispatcher runs (after autocast cast them), and where the
-    model's code first ran each product in each dtype."""
+    model's code first ran each product in each dtype; those inside attention go to ``AutocastRun.attention``."""
 
-    def __init__(self, products: dict[str, set[torch.dtype]], sites: dict[tuple[str, torch.dtype], str]):
+    def __init__(self, products: dict[str, set[torch.dtype]], sites: dict[tuple[str, torch.dtype], str],
+                 attention: _Attention | None = None):
         super().__init__()
-        self.products, self.sites = products, sites
+        self.products, self.sites, self.attention = products, sites, attention
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in PRODUCTS:
             dtypes = {t.dtype for t in (*args, *(kwargs or {}).values())
                       if isinstance(t, torch.Tensor) and t.is_floating_point()}
+            if self.attention is not None and self.attention.depth:
+                self.attention.run.attention.update(dtypes)
+                return func(*args, **(kwargs or {}))
             seen = self.products.setdefault(name, set())
             if not dtypes <= seen:
                 site = _model_line()
@@ -159,8 +189,10 @@ def autocast_run(module: torch.nn.Module, args: tuple, kwargs: dict) -> Autocast
     try:
         # A shape environment lets an op whose output size depends on values (nonzero, boolean indexing: ELECTRA's
         # loss over the unmasked tokens) return a symbolic size instead of failing the run.
+        attention = _Attention(run)
         with (FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()) as mode,
-              _Products(run.products, run.sites),
+              attention,
+              _Products(run.products, run.sites, attention),
               _StateReads(run.reads)):
             flat, spec = flatten((tuple(args), dict(kwargs)))
             fake_args, fake_kwargs = unflatten([mode.from_tensor(t, static_shapes=True) for t in flat], spec)

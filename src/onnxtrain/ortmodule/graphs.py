@@ -205,11 +205,14 @@ class SchemaGraphs:
         return TorchSession(proto, self.device, options, self.backend, precision)
 
 
-def prepare(captured: Captured, state_names: list[str], device: torch.device, log_severity: int) -> SchemaGraphs:
+def prepare(captured: Captured, state_names: list[str], device: torch.device, log_severity: int,
+            torch_masks: bool = True) -> SchemaGraphs:
+    """The base graph; ``torch_masks``: dropout's masks become inputs drawn by torch (passes/dropout_masks.py)."""
     order = [n.name for n in captured.model.graph if n.op_type == "Dropout"]  # the trace's order: eager's
     model = pipeline.ortmodule_prepare(state_names)(captured.model)
     num_inputs = len(model.graph.inputs) - len(state_names)
-    masks = dropout_masks(model, num_inputs, order)  # after the shapes are known; the masks go after the state
+    # after the shapes are known; the masks go after the state
+    masks = dropout_masks(model, num_inputs, order) if torch_masks else []
     proto = ir_version_for_onnxruntime(ir.to_proto(model))
     random = any(n.op_type in RANDOM_OPS for n in proto.graph.node)
     return SchemaGraphs(captured, state_names, num_inputs, proto, random, device, log_severity, masks=masks)

@@ -37,7 +37,7 @@ from onnxtrain.capture.structure import structure
 from onnxtrain.ortmodule import distributed, export_process, guards
 from onnxtrain.ortmodule.function import ORTFunction, reseed
 from onnxtrain.ortmodule.graphs import Saver, SchemaGraphs, build_training, prepare
-from onnxtrain.ortmodule.options import FALLBACK_ENV, DebugOptions
+from onnxtrain.ortmodule.options import FALLBACK_ENV, DebugOptions, torch_dropout
 from onnxtrain.ortmodule.verify import VerificationError, first_difference
 from onnxtrain.runtime import backends
 from onnxtrain.utils.gc import young_objects_only
@@ -226,7 +226,8 @@ class ORTModule(torch.nn.Module):
         saver = self._saver(tag)
         if saver is not None:
             saver(captured.model, "exported")
-        graphs = prepare(captured, state_names, device, int(self._debug.log_level))
+        graphs = prepare(captured, state_names, device, int(self._debug.log_level),
+                         torch_masks=backend == "openvino" or torch_dropout())
         graphs.padding_rows, graphs.freq_scaled, graphs.shared_weights = _embedding_rules(self.module)
         graphs.saver = saver
         graphs.guards, graphs.traced = read, traced
@@ -523,7 +524,15 @@ def _check_policy(module: torch.nn.Module, run, kind: str, precision: str) -> No
             "autocast off, sees as False: it would hold the branch eager does not take")
     if precision not in _LOWERED:  # float32 graphs (autocast not run, with a warning): products stay float32
         return
-    off = run.off_policy(torch.get_autocast_dtype(kind), _LOWERED[precision])
+    low = torch.get_autocast_dtype(kind)
+    attention = sorted((d for d in run.attention if d != low and d in _LOWERED[precision]), key=str)
+    if attention:  # PyTorch's choice of kernel, not the model's code: say what runs attention in autocast's type
+        raise AutocastPolicyError(
+            f"scaled_dot_product_attention computes in {', '.join(map(str, attention))} under autocast (PyTorch's "
+            f"{kind} math kernel, taken with dropout_p > 0) where the {precision} graphs would compute in {precision}; "
+            f"attention dropout 0 or attn_implementation=\"eager\" (Hugging Face) runs it in {low}"
+            + (f" (at {run.attention_site})" if run.attention_site else ""))
+    off = run.off_policy(low, _LOWERED[precision])
     if off:
         raise AutocastPolicyError(
             f"under torch.autocast({kind!r}, dtype={torch.get_autocast_dtype(kind)}) {name}'s forward runs "

@@ -49,6 +49,7 @@ DEFAULT_BACKWARD_STAGES = 4
 RECOMPUTE_BACKWARD_STAGES = 8
 MIN_STAGE_BYTES = 4 << 20
 FUSED_STEP_ENV = "ONNXTRAIN_FUSED_STEP"
+TORCH_DROPOUT_ENV = "ONNXTRAIN_TORCH_DROPOUT"
 _FALSE = {"0", "false", "no", "off"}
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -120,6 +121,14 @@ def fused_step() -> bool:
     """``$ONNXTRAIN_FUSED_STEP``, else on (see the module docstring)."""
     return _env_switch(FUSED_STEP_ENV, True, "use 1 (one OpenVINO call for forward and gradients, the default) "
                                             "or 0 (the forward and backward graphs)")
+
+
+def torch_dropout() -> bool:
+    """``$ONNXTRAIN_TORCH_DROPOUT``, else on: dropout's masks drawn by torch as eager draws them
+    (:mod:`onnxtrain.passes.dropout_masks`); 0 keeps onnxruntime's ``Dropout`` on onnxruntime (OpenVINO, which
+    converts no training-mode ``Dropout``, always gets the masks from torch)."""
+    return _env_switch(TORCH_DROPOUT_ENV, True, "use 1 (dropout masks drawn by torch, eager's; the default) or 0 "
+                                                "(onnxruntime's Dropout, on the onnxruntime backend)")
 
 
 @dataclass

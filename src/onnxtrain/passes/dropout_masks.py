@@ -88,6 +88,8 @@ def dropout_masks(model: ir.Model, num_inputs: int, order: list[str]) -> list[Ma
         product = ir.node("Mul", [x, noise.outputs[0]], name=node.name)
         for new in (cast, noise, product):
             new.outputs[0].dtype, new.outputs[0].shape = x.dtype, ir.Shape(x.shape)
+        for new in (scale, cast, noise, product):  # where the node came from (attention: kept float32 as a whole)
+            new.metadata_props.update(node.metadata_props)
         graph.insert_before(node, [scale, cast, noise, product])
         product.outputs[0].name, y.name = y.name, f"{y.name}_dropout"  # a graph output keeps its name
         ir.convenience.replace_all_uses_with(y, product.outputs[0], replace_graph_outputs=True)
