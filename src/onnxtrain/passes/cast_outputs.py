@@ -14,6 +14,8 @@ from collections.abc import Mapping
 
 import onnx_ir as ir
 
+from onnxtrain.passes.rewrite import free_name
+
 
 class CastOutputsPass(ir.passes.InPlacePass):
     def __init__(self, casts: Mapping[int, ir.DataType]):
@@ -28,7 +30,7 @@ class CastOutputsPass(ir.passes.InPlacePass):
             if value.dtype != ir.DataType.FLOAT:
                 raise ValueError(f"graph output {position} ({value.name!r}) is {value.dtype}, not float32: "
                                  f"cannot cast it to {dtype}")
-            name = _free(f"{value.name}_output_{dtype.name.lower()}", taken)  # passes.precision names its casts <name>_<dtype>
+            name = free_name(f"{value.name}_output_{dtype.name.lower()}", taken)  # passes.precision names its casts <name>_<dtype>
             out = ir.Value(name=name, type=ir.TensorType(dtype), shape=value.shape)
             graph.append(ir.Node("", "Cast", [value], attributes=[ir.AttrInt64("to", dtype)], outputs=[out],
                                  name=f"{name}/cast"))
@@ -40,11 +42,3 @@ def cast_outputs(model: ir.Model, casts: Mapping[int, ir.DataType]) -> ir.Model:
     """``model`` with its outputs at the positions of ``casts`` cast (in place; returned for chaining)."""
     return CastOutputsPass(casts)(model).model
 
-
-def _free(name: str, taken: set[str]) -> str:
-    candidate, k = name, 0
-    while candidate in taken:
-        k += 1
-        candidate = f"{name}_{k}"
-    taken.add(candidate)
-    return candidate

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from onnxtrain.passes.rewrite import free_name
+
 _DOMAINS = ("", "ai.onnx")
 _NUMPY = {ir.DataType.FLOAT: np.float32, ir.DataType.DOUBLE: np.float64, ir.DataType.FLOAT16: np.float16}
 
@@ -78,7 +80,7 @@ def dropout_masks(model: ir.Model, num_inputs: int, order: list[str]) -> list[Ma
     masks = []
     for k, (node, dims, p) in enumerate(plans):
         x, y = node.inputs[0], node.outputs[0]
-        mask = ir.Value(name=_free(f"dropout_mask_{k}", taken), type=ir.TensorType(ir.DataType.BOOL),
+        mask = ir.Value(name=free_name(f"dropout_mask_{k}", taken), type=ir.TensorType(ir.DataType.BOOL),
                         shape=ir.Shape(x.shape))
         graph.inputs.append(mask)
         scale = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(
@@ -109,12 +111,13 @@ def _plan(node: ir.Node, axes: dict[str, tuple[int, int]], graph: ir.Graph):
     x = node.inputs[0]
     if len(node.inputs) < 3 or node.inputs[2] is None:  # no training_mode: inference
         return _IDENTITY
-    training = _constant(node, 2)
-    ratio = _constant(node, 1) if node.inputs[1] is not None else np.float32(0.5)
+    training = ir.convenience.get_const_tensor(node.inputs[2])
+    ratio = ir.tensor(np.array(0.5, np.float32)) if node.inputs[1] is None else \
+        ir.convenience.get_const_tensor(node.inputs[1])
     if training is None or ratio is None:  # decided when it runs
         return None
-    p = float(str(np.float32(ratio)))  # the shortest decimal of the float32 ratio: the configuration's 0.1
-    if not bool(training) or p == 0:
+    p = float(str(np.float32(ratio.numpy())))  # the shortest decimal of the float32 ratio: the configuration's 0.1
+    if not bool(training.numpy()) or p == 0:
         return _IDENTITY
     if not 0 < p < 1 or x is None or x.shape is None or x.dtype not in _NUMPY:
         return None
@@ -130,23 +133,3 @@ def _plan(node: ir.Node, axes: dict[str, tuple[int, int]], graph: ir.Graph):
             return None
     return tuple(dims), p
 
-
-def _constant(node: ir.Node, i: int) -> np.ndarray | None:
-    if i >= len(node.inputs) or node.inputs[i] is None:
-        return None
-    value = node.inputs[i]
-    if value.const_value is not None:
-        return value.const_value.numpy()
-    producer = value.producer()
-    if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
-        return producer.attributes["value"].value.numpy()
-    return None
-
-
-def _free(name: str, taken: set[str]) -> str:
-    base, k = name, 0
-    while name in taken:
-        k += 1
-        name = f"{base}_{k}"
-    taken.add(name)
-    return name

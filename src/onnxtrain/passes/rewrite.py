@@ -1,4 +1,5 @@
-"""What several passes share: the match-and-rewrite loop over a graph's nodes, and two small readings of values.
+"""What several passes share: the match-and-rewrite loop over a graph's nodes, two small readings of values, and
+a free name for a new value.
 
 A pass whose work is "rewrite each node that matches" states its matcher and its rewrite and calls
 :func:`rewrite_each`; the loop walks a copy of the node list, so a rewrite may insert and remove nodes.
@@ -41,3 +42,13 @@ def constant_ints(value: ir.Value | None) -> np.ndarray | None:
         return None
     array = tensor.numpy()
     return array.astype(np.int64) if np.issubdtype(array.dtype, np.integer) else None
+
+
+def free_name(name: str, taken: set[str]) -> str:
+    """``name`` or ``name_<k>``, the first not in ``taken`` (then taken)."""
+    candidate, k = name, 0
+    while candidate in taken:
+        k += 1
+        candidate = f"{name}_{k}"
+    taken.add(candidate)
+    return candidate
