@@ -143,3 +143,31 @@ def test_no_dropout_is_rewritten_where_one_shape_is_unknown():
     assert dropout_masks(model, 1, ["drop0", "drop1"]) == []
     assert [n.op_type for n in model.graph].count("Dropout") == 2
     onnx.checker.check_model(ir.to_proto(model))
+
+
+def test_masks_cross_from_the_export_process():
+    """The schema's graphs made in a child process come back with their masks (SchemaGraphs.masks)."""
+    reference = Drop(0.5)
+    model = ORTModule(copy.deepcopy(reference), DebugOptions(export_process="spawn"))
+    x = torch.randn(3, 4, 24)
+    torch.manual_seed(1)
+    got = model(x)
+    torch.manual_seed(1)
+    assert torch.equal(got, reference(x))
+    (graphs,) = [g for entries in model._cache.values() for g in entries]
+    assert graphs.captured.model is None  # made in the child (export_process._ship)
+    assert len(graphs.masks) == 2
+
+
+def test_onnxruntime_dropout_on_request(monkeypatch):
+    """ONNXTRAIN_TORCH_DROPOUT=0: the graph keeps onnxruntime's Dropout, seeded from torch's generator."""
+    monkeypatch.setenv("ONNXTRAIN_TORCH_DROPOUT", "0")
+    model = ORTModule(Drop(0.5))
+    x = torch.ones(64, 24)
+    torch.manual_seed(0)
+    a, b = model(x), model(x)
+    (graphs,) = [g for entries in model._cache.values() for g in entries]
+    assert graphs.masks == [] and graphs.random
+    assert not torch.equal(a != 0, b != 0)  # a new mask each run
+    torch.manual_seed(0)
+    assert torch.equal(model(x), a)  # and the seed's
