@@ -303,7 +303,8 @@ class ORTModule(torch.nn.Module):
         """Run this batch through onnxruntime and through eager from the same RNG state and buffers;
         the first output or gradient that differs, or None (:mod:`onnxtrain.ortmodule.verify`)."""
         unchecked = ("it draws random numbers that onnxruntime draws differently from PyTorch (an op other than "
-                     "dropout, or a dropout whose shape the inputs do not tell); verify it with those off"
+                     "dropout, a dropout whose shape the inputs do not tell, or ONNXTRAIN_TORCH_DROPOUT=0); verify "
+                     "it with those off"
                      if graphs.random else
                      "it runs under torch.autocast, whose precision differs from eager's by design"
                      if any(_autocast_state()[k][0] for k in range(2)) else None)
