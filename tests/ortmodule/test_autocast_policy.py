@@ -144,6 +144,7 @@ def test_attention_eager_computes_in_float32_falls_back_saying_what_runs_it_in_b
     reason = model.fallback_reason
     assert reason is not None and "scaled_dot_product_attention computes in" in reason and "test_autocast_policy.py:" in reason
     assert 'attn_implementation="eager"' in reason and "torch.float32" in reason
+    assert "taken with dropout_p > 0" in reason and "attention dropout 0 or" in reason  # the cause, this model's
     (warning,) = [w for w in caught if "falls back to PyTorch" in str(w.message)]
     assert 'attn_implementation="eager"' in str(warning.message)  # within the warning's one line
 

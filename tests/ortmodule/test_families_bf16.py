@@ -60,8 +60,8 @@ FALLS_BACK = {
     **FLOAT32_FALLS_BACK,
     # its attention's products run float32 in eager (torch 2.13: scaled_dot_product_attention's math kernel on
     # CPU); the graph's would be bfloat16 on OpenVINO. On torch 2.15 Falcon's do not, and it runs (below).
-    "falcon": "products that autocast does not lower",
-    "swin": "products that autocast does not lower",
+    "falcon": r"scaled_dot_product_attention computes in torch.float32 under autocast \(PyTorch's cpu math kernel\)",
+    "swin": r"scaled_dot_product_attention computes in torch.float32 under autocast \(PyTorch's cpu math kernel\)",
     # its experts' grouped matmul runs float32 in eager (the input cast to the float32 weights' type); bf16 on
     # OpenVINO their gradients were 20x further from float64 than eager autocast's (down_proj). torch 2.13 has
     # no fake kernel for it in float32, so the products cannot be checked at all there.

@@ -77,6 +77,7 @@ class AutocastRun:
     # inputs, its flash kernel in the low type
     attention: set[torch.dtype] = field(default_factory=set)
     attention_site: str | None = None  # the model's line of the first attention call
+    attention_dropout: bool = False  # whether some attention call was made with dropout_p > 0
 
     def off_policy(self, low: torch.dtype, lowered: frozenset) -> list[str]:
         """The products eager runs in a type the backend would lower to ``low``: "mm in torch.float32 at
@@ -99,9 +100,13 @@ class _Attention(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         if self.run.attention_site is None:
             self.run.attention_site = _model_line()
+        kwargs = kwargs or {}
+        dropout_p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        if isinstance(dropout_p, (int, float)) and dropout_p > 0:
+            self.run.attention_dropout = True
         self.depth += 1
         try:
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
         finally:
             self.depth -= 1
 

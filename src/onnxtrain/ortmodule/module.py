@@ -528,10 +528,14 @@ def _check_policy(module: torch.nn.Module, run, kind: str, precision: str) -> No
     low = torch.get_autocast_dtype(kind)
     attention = sorted((d for d in run.attention if d != low and d in _LOWERED[precision]), key=str)
     if attention:  # PyTorch's choice of kernel, not the model's code: say what runs attention in autocast's type
+        # The math kernel is PyTorch's choice: with dropout_p > 0 always; without, where its fused kernels do
+        # not take the call (on torch 2.13, Falcon's and Swin's attention with dropout 0)
+        cause, remedy = ((", taken with dropout_p > 0", "attention dropout 0 or ") if run.attention_dropout
+                         else ("", ""))
         raise AutocastPolicyError(
             f"scaled_dot_product_attention computes in {', '.join(map(str, attention))} under autocast (PyTorch's "
-            f"{kind} math kernel, taken with dropout_p > 0) where the {precision} graphs would compute in {precision}; "
-            f"attention dropout 0 or attn_implementation=\"eager\" (Hugging Face) runs it in {low}"
+            f"{kind} math kernel{cause}) where the {precision} graphs would compute in {precision}; "
+            f"{remedy}attn_implementation=\"eager\" (Hugging Face) runs it in {low}"
             + (f" (at {run.attention_site})" if run.attention_site else ""))
     off = run.off_policy(low, _LOWERED[precision])
     if off:
