@@ -86,16 +86,9 @@ def decide(option: str | None, plan) -> tuple[bool, str]:
         where, value = EXPORT_PROCESS_ENV, check(os.environ.get(EXPORT_PROCESS_ENV, ""), EXPORT_PROCESS_ENV)
     if value != "auto":
         return value == "spawn", f"{where} is {value!r}"
-    if saves_memory(plan):
+    if plan.saves_memory:
         return True, f"a memory budget is set ({_describe(plan)})"
     return False, "no memory budget is set (export_process='spawn' exports in a child process)"
-
-
-def saves_memory(plan) -> bool:
-    """Whether a recompute plan asks for memory savings: a budget (a fraction under 1.0, or bytes), or patterns."""
-    budget = plan.budget
-    under = budget is not None and not (isinstance(budget, float) and budget >= 1.0)
-    return under or bool(plan.patterns)
 
 
 def _describe(plan) -> str:

@@ -123,6 +123,13 @@ class Recompute:
         if unknown:
             raise ValueError(f"recompute kinds {unknown}: use some of {list(KINDS)}")
 
+    @property
+    def saves_memory(self) -> bool:
+        """Whether the plan asks for memory savings: patterns, or a budget below the whole stash (a fraction under
+        1.0, or a number of bytes: an int above 1, as :func:`_choose` reads it)."""
+        budget = self.budget
+        return bool(self.patterns) or (budget is not None and (budget < 1 or (isinstance(budget, int) and budget > 1)))
+
     @classmethod
     def of(cls, value) -> Recompute:
         """A plan from a user's option: a :class:`Recompute`, None (the default), a budget, or a string
