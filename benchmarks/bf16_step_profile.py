@@ -74,12 +74,10 @@ def _instrument(runner, current: dict) -> None:
                     session.run = timed
 
 
-def profile(workload: str, rounds: int, optimizer_kind: str) -> None:
+def time_function(current: dict) -> None:
+    """Time every ``ORTFunction.forward`` and ``.backward`` (graph calls and the glue around them) into
+    ``current`` under the labels "ORTFunction.forward" and "ORTFunction.backward"."""
     from onnxtrain.ortmodule import function
-
-    variants, loss_fn, torch = _variants(workload, optimizer_kind)
-    current: dict[str, float] = {}
-    forward, backward = function.ORTFunction.forward, function.ORTFunction.backward
 
     def timed(fn, label):
         def wrapper(*args):
@@ -90,8 +88,14 @@ def profile(workload: str, rounds: int, optimizer_kind: str) -> None:
                 current[label] = current.get(label, 0.0) + CLOCK[0]() - start
         return staticmethod(wrapper)
 
-    function.ORTFunction.forward = timed(forward, "ORTFunction.forward")
-    function.ORTFunction.backward = timed(backward, "ORTFunction.backward")
+    for label in ("forward", "backward"):
+        setattr(function.ORTFunction, label, timed(getattr(function.ORTFunction, label), f"ORTFunction.{label}"))
+
+
+def profile(workload: str, rounds: int, optimizer_kind: str) -> None:
+    variants, loss_fn, torch = _variants(workload, optimizer_kind)
+    current: dict[str, float] = {}
+    time_function(current)
 
     def step(name):
         runner, optimizer, _ = variants[name]
