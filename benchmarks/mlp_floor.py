@@ -2,6 +2,8 @@
 
     python benchmarks/mlp_floor.py                          # 2 threads, wall time, 40 rounds
     python benchmarks/mlp_floor.py --threads 1 --clock cpu  # the work alone (one thread's CPU time)
+    python benchmarks/mlp_floor.py --threads 1 --clock cpu --alone 3   # also each step in its own process
+    MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=268435456 python benchmarks/mlp_floor.py --alone 3
 
 The workload is ``ortmodule_bench.py``'s MLP (784-1024-1024-10 ReLU, batch 128, ``F.cross_entropy`` in
 torch) under ``torch.autocast("cpu", bfloat16)``, issue 17's 1.3x target. Every part below takes its turn
@@ -16,12 +18,18 @@ medians over the rounds (ms) and the ratios they allow. No assert: this is a mea
   rest of forward and backward (torch's loss, autograd) and the optimizer;
 - the products alone: every product eager autocast runs in a step (forward ``addmm`` of each layer, the input
   gradients of layers 2 and 3 and the weight gradients of all three, as ``torch.mm``/``addmm`` on bf16
-  operands made beforehand), and the same eight products as one OpenVINO graph of just them (``Gemm``s as
+  operands made beforehand, into outputs made beforehand), and the same eight products as one OpenVINO graph of just them (``Gemm``s as
   ORTModule's graphs write them; the infer alone, inputs bound once), compiled as ORTModule compiles its
   graphs, fed bf16 tensors or float32 ones (OpenVINO's bf16 hint converts them in the call, as ORTModule's
   calls convert the float32 weights now);
 - the casts eager autocast adds to the products (each weight and bias to bf16, each weight and bias gradient
   back to float32), for reference.
+
+Each part's page faults are printed too: glibc hands freed memory back to the kernel or keeps it depending on
+what the process freed before (its mmap and trim thresholds move), so one step's allocations fault in fresh
+pages or not depending on what else ran in the process. ``--alone N`` therefore also runs each step in its
+own process, as ``ortmodule_bench.py`` does (the target's setting); the ``MALLOC_*`` line makes glibc keep its
+freed memory in every process, so that no step pays for page faults.
 
 The floor of a step is its products plus its optimizer: ``eager step / (products + optimizer)`` is the best
 ratio to eager that any implementation built on these product kernels and this optimizer can reach, with
