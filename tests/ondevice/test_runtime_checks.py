@@ -1,5 +1,5 @@
 """The runtime's checks before training starts or a step runs: checkpoint and models agree (issue 16.3),
-bad labels and token ids are refused by name, once (16.4), and the optimizer's double buffers stay in step."""
+bad labels and token ids are refused by name, once (16.4), and the optimizer's copies stay in step."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from onnxtrain.api import CheckpointState, Module, Optimizer
 from onnxtrain.ondevice import checkpoint as ckpt
+from onnxtrain.ondevice import optimizer as optimizer_module
 from tests.ondevice.helpers import export, generate
 
 
@@ -127,21 +128,26 @@ def test_out_of_range_token_id_is_refused_once(tmp_path, capfd):
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)
 
 
-def test_optimizer_reads_one_copy_and_writes_the_other(mlp_artifacts):
+@pytest.mark.parametrize("in_place", [True, False])
+def test_optimizer_reads_one_copy_and_writes_the_other(mlp_artifacts, in_place, monkeypatch):
+    """Row by row the update is written in place (the live copy stays); with ``IN_PLACE`` off, as for the models
+    that read every row (clipping, loss scaling), it writes the other copy and the live copy flips."""
+    monkeypatch.setattr(optimizer_module, "IN_PLACE", in_place)
     state, module = _module(mlp_artifacts)
     optimizer = Optimizer(mlp_artifacts.optimizer_model, module)
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((4, 16)).astype(np.float32), rng.integers(0, 5, 4)
     buffers = module.buffers
-    for src, ranges in enumerate(optimizer._bindings):  # reads copy src, writes the other copy
+    for src, ranges in enumerate(optimizer._bindings):  # reads copy src, writes the other copy (or copy src)
         (binding,) = ranges  # the MLP's vectors are one chunk: one call over all of it
         written = {v.data_ptr() for v in binding.get_outputs()}
         copies = [{buffers.params(c)["float32"].ctypes.data} | {buffers.states(s, c)["float32"].ctypes.data
                                                                 for s in ("exp_avg", "exp_avg_sq")} for c in (0, 1)]
-        assert written == copies[1 - src] and not written & copies[src]
+        assert written == copies[src if in_place else 1 - src] and not written & copies[1 - src if in_place else src]
     before = state.parameters["net.0.weight"].data
     module(x, y)
-    optimizer.step()  # the live copy flips: parameters, saves and the next steps must follow it
+    optimizer.step()  # the live copy flips (or not): parameters, saves and the next steps must follow it
+    assert buffers.current == (0 if in_place else 1)
     after = state.parameters["net.0.weight"].data
     assert not np.array_equal(before, after)
     module.eval()

@@ -2,8 +2,9 @@
 gradients and one per optimizer state, each parameter a view into them (docs/format.md, "Flat layout").
 
 The vectors are zero-padded to whole chunks, the optimizer graph's layout (:mod:`onnxtrain.utils.chunks`).
-Parameters and optimizer states are double-buffered: the optimizer graph reads one copy and writes the
-other, then the two swap (``current`` flips), so no buffer is ever bound as both an input and an output.
+Parameters and optimizer states have two copies: an optimizer graph that updates row by row writes the live copy
+in place (the other is never touched: its pages are never faulted in), any other reads one copy and writes the
+other, then the two swap (``current`` flips; ``ondevice/optimizer.py``).
 
 This object owns the gradients' state too: after :meth:`reset_grad` they count as zero, and whoever
 reads them next (a training step or an optimizer step) asks this object how. An embedding's gradient that the
