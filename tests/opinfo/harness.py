@@ -16,8 +16,12 @@ weighting of the outputs are compared with eager's, and the sample is classified
 - ``error``: ORTModule raised (at run time, or while building graphs with the fallback off never happens here:
   the fallback is on);
 - ``wrong``: it ran in onnxruntime and differed from eager;
-- ``skip``: cannot be compared (random ops, ties whose winner PyTorch leaves unspecified, a sample eager
-  itself cannot differentiate), with the reason.
+- ``skip``: cannot be compared (ties whose winner PyTorch leaves unspecified, a sample eager itself cannot
+  run), with the reason.
+
+Random ops are compared too: torch is seeded the same way before both runs (op_db's own reseeding inside the
+call, ``wrapper_set_seed``, is taken out of both), so ORTModule must draw what eager draws (dropout's masks,
+:mod:`onnxtrain.passes.dropout_masks`) or fall back (``RandomDrawsError``).
 
 ``tests/opinfo/test_opinfo.py`` runs a representative subset in the default suite and the whole sweep under
 the ``opinfo_full`` marker; ``python -m tests.opinfo.table`` prints the table of ``docs/opinfo.md``.
@@ -30,6 +34,7 @@ import io
 import math
 import re
 import warnings
+from unittest import mock
 from dataclasses import dataclass, field
 
 import torch
@@ -38,31 +43,6 @@ SAMPLES_PER_OP = 2
 MODES = ("inputs", "params")
 RTOL, ATOL = 1e-3, 1e-4
 
-# Ops whose results cannot be compared between two runs: they draw random numbers (torch's generator and
-# onnxruntime's are different streams), or their result is undefined by design.
-RANDOM = {
-    "bernoulli": "draws random numbers",
-    "normal": "draws random numbers",
-    "normal.number_mean": "draws random numbers",
-    "nn.functional.dropout": "draws random numbers",
-    "nn.functional.dropout2d": "draws random numbers",
-    "nn.functional.dropout3d": "draws random numbers",
-    "nn.functional.alpha_dropout": "draws random numbers",
-    "nn.functional.feature_alpha_dropout.with_train": "draws random numbers",
-    "nn.functional.rrelu": "draws random numbers in training mode",
-    "nn.functional.fractional_max_pool2d": "draws random pooling regions",
-    "nn.functional.fractional_max_pool3d": "draws random pooling regions",
-    "svd_lowrank": "draws a random projection",
-    "pca_lowrank": "draws a random projection",
-}
-# Ops that draw random numbers only with some arguments: (why, whether this sample does).
-RANDOM_WHEN = {
-    "nn.functional.multi_head_attention_forward": (
-        "draws random numbers (attention dropout, dropout_p > 0, in training)",
-        lambda sample: bool(sample.kwargs.get("training", True))
-        and float(sample.kwargs.get("dropout_p", sample.args[9] if len(sample.args) > 9 else 0.0)) > 0,
-    ),
-}
 # Ops that pick one of several equal elements, where PyTorch leaves which one unspecified: a sample whose
 # tensors hold repeated values is skipped (the index, and where the gradient goes, may differ).
 TIES = {
@@ -334,18 +314,28 @@ def short_reason(text: str, limit: int = 240) -> str:
     return " ".join(text.split())[:limit]
 
 
+@contextlib.contextmanager
+def _seeded_by_caller():
+    """op_db calls its random ops through ``wrapper_set_seed``, which seeds torch inside the call (with 42); a graph
+    cannot seed torch in the middle of its call, so here both runs call the op itself, and the draws come from the
+    generator as the caller seeded it (the harness seeds it the same way before each run)."""
+    from torch.testing._internal import common_methods_invocations as cmi
+
+    with mock.patch.object(cmi, "wrapper_set_seed", lambda fn, *args, **kwargs: fn(*args, **kwargs)):
+        yield
+
+
 def run_sample(op, sample, mode: str, index: int = 0) -> Result:
     """Run one sample in eager and under a fresh ORTModule and classify it (see the module docstring)."""
+    with _seeded_by_caller():
+        return _run_sample(op, sample, mode, index)
+
+
+def _run_sample(op, sample, mode: str, index: int) -> Result:
     from onnxtrain import DebugOptions, ORTModule
 
     name = full_name(op)
     result = Result(name, index, mode, "skip")
-    if name in RANDOM:
-        result.reason = RANDOM[name]
-        return result
-    if name in RANDOM_WHEN and RANDOM_WHEN[name][1](sample):
-        result.reason = RANDOM_WHEN[name][0]
-        return result
     structure = (sample.input, tuple(sample.args), dict(sample.kwargs))
     leaves = _leaves(structure, [])
     if name in TIES and _has_ties(leaves):

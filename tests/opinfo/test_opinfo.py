@@ -59,6 +59,34 @@ def test_subset_matches_eager(name, mode):
     assert not bad, f"{name} ({mode}):\n" + "\n".join(bad)
 
 
+# Samples that draw random numbers (op_db's index; training mode, 0 < p <= 1): from the same seed ORTModule
+# draws eager's (dropout's masks, feature and alpha dropout's included) or makes none (p = 1) ...
+DRAWS_EAGERS = [("nn.functional.dropout", 2), ("nn.functional.dropout", 4), ("nn.functional.dropout2d", 2),
+                ("nn.functional.dropout3d", 2), ("nn.functional.alpha_dropout", 2),
+                ("nn.functional.feature_alpha_dropout.with_train", 1)]
+# ... or falls back before running (a dropout whose shape the inputs do not tell, other random ops).
+CANNOT_DRAW_EAGERS = [("nn.functional.multi_head_attention_forward", 0, "inputs"), ("nn.functional.rrelu", 0, "inputs"),
+                      ("normal", 0, "inputs")]
+
+
+@pytest.mark.parametrize("mode", harness.MODES)
+@pytest.mark.parametrize("name,index", DRAWS_EAGERS)
+def test_random_samples_draw_eagers(name, index, mode):
+    op = _op(name)
+    sample = harness.samples(op, index + 1)[index]
+    assert sample.kwargs.get("training", True) and sample.kwargs["p"] > 0  # it draws in eager
+    result = harness.run_sample(op, sample, mode, index)
+    assert result.status == "pass", f"{result.status}: {result.reason}"
+
+
+@pytest.mark.parametrize("name,index,mode", CANNOT_DRAW_EAGERS)
+def test_random_samples_torch_cannot_draw_fall_back(name, index, mode):
+    op = _op(name)
+    result = harness.run_sample(op, harness.samples(op, index + 1)[index], mode, index)
+    assert result.status == "fallback" and result.reason.startswith("RandomDrawsError"), \
+        f"{result.status}: {result.reason}"
+
+
 @pytest.mark.opinfo_full
 def test_full_sweep_has_no_error_and_nothing_wrong():
     try:

@@ -19,6 +19,7 @@ import torch
 from onnx import TensorProto, helper
 
 from onnxtrain import DebugOptions, ORTModule
+from onnxtrain.ortmodule.graphs import RandomDrawsError
 from onnxtrain.passes.dropout_masks import dropout_masks
 from onnxtrain.runtime import backends
 from tests.ortmodule import models
@@ -171,3 +172,99 @@ def test_onnxruntime_dropout_on_request(monkeypatch):
     assert not torch.equal(a != 0, b != 0)  # a new mask each run
     torch.manual_seed(0)
     assert torch.equal(model(x), a)  # and the seed's
+
+
+class Drops(torch.nn.Module):
+    """Feature and alpha dropout (the exporter writes aten.bernoulli.p as RandomUniformLike < p), between plain
+    dropouts, so the masks must come in eager's order."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 6))
+
+    def forward(self, x):
+        F = torch.nn.functional
+        h = F.dropout2d(x * self.w, 0.3, self.training)
+        h = F.dropout(h, 0.1, self.training)
+        h = F.alpha_dropout(h * self.w, 0.2, self.training)
+        h = F.feature_alpha_dropout(h, 0.4, self.training)
+        return F.dropout3d(h.unsqueeze(0), 0.5, self.training) * self.w
+
+
+def test_feature_and_alpha_dropout_are_eagers():
+    """Before: onnxruntime drew their masks (other masks than eager's from the same seed)."""
+    reference = Drops()
+    model = ORTModule(copy.deepcopy(reference), DebugOptions(fallback=False))
+    for step in range(2):
+        x = torch.randn(4, 5, 3, 6, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        torch.manual_seed(step)
+        got = model(x)
+        torch.manual_seed(step)
+        want = reference(x_ref)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        dy = torch.randn_like(want)
+        got.backward(dy)
+        want.backward(dy)
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(model.w.grad, reference.w.grad, rtol=1e-5, atol=1e-5)
+    (graphs,) = [g for entries in model._cache.values() for g in entries]
+    assert len(graphs.masks) == 5 and not graphs.random
+
+
+class DropAll(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 24))
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(x * self.w, 1.0, self.training) + self.w
+
+
+def test_dropout_of_ratio_one_is_eagers_zeros():
+    """Eager returns x * 0 and draws nothing; before: onnxruntime's Dropout refused the ratio (a fallback)."""
+    reference = DropAll()
+    model = ORTModule(copy.deepcopy(reference), DebugOptions(fallback=False))
+    x = torch.randn(3, 24)
+    x[0, 0] = float("inf")  # eager: inf * 0 = NaN
+    x.requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    torch.manual_seed(0)
+    got = model(x)
+    after = torch.randint(0, 2**31, (4,))
+    torch.manual_seed(0)
+    want = reference(x_ref)
+    assert torch.equal(after, torch.randint(0, 2**31, (4,)))  # neither drew
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+    assert torch.isnan(got[0, 0])
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(model.w.grad, reference.w.grad, equal_nan=True, rtol=0, atol=0)  # NaN: inf * 0
+
+
+class Noise(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return x * self.w + torch.randn_like(x)
+
+
+def test_draws_torch_cannot_give_fall_back_with_the_reason(monkeypatch):
+    """A random op whose draws the graph would make itself (onnxruntime's generator): not eager's from the same
+    seed, so ORTModule falls back before running it; with ONNXTRAIN_TORCH_DROPOUT=0 it runs on onnxruntime's."""
+    x = torch.randn(4, 8)
+    model = ORTModule(Noise(), DebugOptions(fallback=True))
+    with pytest.warns(UserWarning, match="falls back"):
+        model(x)
+    assert model.fallback_reason.startswith("RandomDrawsError: the graph draws random numbers")
+    assert "RandomNormalLike from aten.randn_like" in model.fallback_reason
+    with pytest.raises(RandomDrawsError, match="RandomNormalLike"):
+        ORTModule(Noise(), DebugOptions(fallback=False))(x)
+    monkeypatch.setenv("ONNXTRAIN_TORCH_DROPOUT", "0")
+    model = ORTModule(Noise(), DebugOptions(fallback=False))
+    torch.manual_seed(0)
+    a, b = model(x), model(x)
+    assert model.fallback_reason is None and not torch.equal(a, b)

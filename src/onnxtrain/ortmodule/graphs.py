@@ -29,11 +29,11 @@ from onnxtrain.autodiff.stop_gradient import is_stop_gradient, strip_stop_gradie
 from onnxtrain.capture.captured import Captured
 from onnxtrain.ortmodule import fused as fusion
 from onnxtrain.ortmodule.guards import Guards
-from onnxtrain.ortmodule.options import FUSED_STEP_ENV, MIN_STAGE_BYTES, backward_stages, fused_step
+from onnxtrain.ortmodule.options import FUSED_STEP_ENV, TORCH_DROPOUT_ENV, MIN_STAGE_BYTES, backward_stages, fused_step
 from onnxtrain.passes import Split, pipeline, split_forward_backward
 from onnxtrain.passes.cast_outputs import cast_outputs
 from onnxtrain.passes.defer_row_scatters import RowScatters, defer_row_scatters
-from onnxtrain.passes.dropout_masks import Mask, dropout_masks
+from onnxtrain.passes.dropout_masks import Mask, draw_order, draws_nothing, dropout_masks
 from onnxtrain.passes.precision import apply_precision
 from onnxtrain.passes.recompute import Plan as RecomputePlan
 from onnxtrain.passes.recompute import Recompute, dims_from_inputs
@@ -205,17 +205,40 @@ class SchemaGraphs:
         return TorchSession(proto, self.device, options, self.backend, precision)
 
 
+class RandomDrawsError(RuntimeError):
+    """The graph would draw random numbers where eager PyTorch draws others: its outputs would not be eager's."""
+
+
 def prepare(captured: Captured, state_names: list[str], device: torch.device, log_severity: int,
             torch_masks: bool = True) -> SchemaGraphs:
-    """The base graph; ``torch_masks``: dropout's masks become inputs drawn by torch (passes/dropout_masks.py)."""
-    order = [n.name for n in captured.model.graph if n.op_type == "Dropout"]  # the trace's order: eager's
+    """The base graph; ``torch_masks``: dropout's masks become inputs drawn by torch (passes/dropout_masks.py),
+    and a graph that would still draw random numbers itself is refused (:class:`RandomDrawsError`: ORTModule
+    falls back); without, the graph's random ops draw from onnxruntime's generator (seeded from torch's)."""
+    order = draw_order(captured.model)  # the trace's order: eager's
     model = pipeline.ortmodule_prepare(state_names)(captured.model)
     num_inputs = len(model.graph.inputs) - len(state_names)
     # after the shapes are known; the masks go after the state
     masks = dropout_masks(model, num_inputs, order) if torch_masks else []
+    draws = [n for n in model.graph if n.op_type in RANDOM_OPS and not (n.op_type == "Dropout" and draws_nothing(n))]
     proto = ir_version_for_onnxruntime(ir.to_proto(model))
-    random = any(n.op_type in RANDOM_OPS for n in proto.graph.node)
-    return SchemaGraphs(captured, state_names, num_inputs, proto, random, device, log_severity, masks=masks)
+    if draws and torch_masks:
+        raise RandomDrawsError(
+            f"the graph draws random numbers that eager PyTorch draws otherwise ({_draws(draws)}): from the same "
+            f"seed its outputs would not be eager's; {TORCH_DROPOUT_ENV}=0 runs them on onnxruntime's draws "
+            "(seeded from torch's generator)")
+    return SchemaGraphs(captured, state_names, num_inputs, proto, bool(draws), device, log_severity, masks=masks)
+
+
+def _draws(nodes: list[ir.Node]) -> str:
+    """The random ops, each with the torch op it came from where the exporter recorded it."""
+    named = []
+    for node in nodes:
+        origin = node.metadata_props.get("namespace", "").rsplit(": ", 1)[-1]
+        what = "a dropout whose shape the inputs' sizes do not tell, or whose ratio or mode is known at run time only" if node.op_type == "Dropout" \
+            else f"{node.op_type} from {origin}" if origin else node.op_type
+        if what not in named:
+            named.append(what)
+    return "; ".join(named)
 
 
 def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver | None = None,

@@ -302,9 +302,8 @@ class ORTModule(torch.nn.Module):
     def _verify(self, graphs: SchemaGraphs, training, args, kwargs, tensors, state, spec) -> str | None:
         """Run this batch through onnxruntime and through eager from the same RNG state and buffers;
         the first output or gradient that differs, or None (:mod:`onnxtrain.ortmodule.verify`)."""
-        unchecked = ("it draws random numbers that onnxruntime draws differently from PyTorch (an op other than "
-                     "dropout, a dropout whose shape the inputs do not tell, or ONNXTRAIN_TORCH_DROPOUT=0); verify "
-                     "it with those off"
+        unchecked = ("it draws random numbers that onnxruntime draws differently from PyTorch "
+                     "(ONNXTRAIN_TORCH_DROPOUT=0); verify it with that off"
                      if graphs.random else
                      "it runs under torch.autocast, whose precision differs from eager's by design"
                      if any(_autocast_state()[k][0] for k in range(2)) else None)

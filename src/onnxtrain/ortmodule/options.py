@@ -125,8 +125,9 @@ def fused_step() -> bool:
 
 def torch_dropout() -> bool:
     """``$ONNXTRAIN_TORCH_DROPOUT``, else on: dropout's masks drawn by torch as eager draws them
-    (:mod:`onnxtrain.passes.dropout_masks`); 0 keeps onnxruntime's ``Dropout`` on onnxruntime (OpenVINO, which
-    converts no training-mode ``Dropout``, always gets the masks from torch)."""
+    (:mod:`onnxtrain.passes.dropout_masks`), and a graph with other random draws refused (ORTModule falls back);
+    0 keeps onnxruntime's ``Dropout`` and runs other random ops on onnxruntime's draws (OpenVINO, which converts
+    no training-mode ``Dropout``, always gets the masks from torch)."""
     return _env_switch(TORCH_DROPOUT_ENV, True, "use 1 (dropout masks drawn by torch, eager's; the default) or 0 "
                                                 "(onnxruntime's Dropout, on the onnxruntime backend)")
 
