@@ -133,3 +133,50 @@ def test_a_conv_read_by_anything_but_a_crop_is_left_alone():
                               [helper.make_value_info("y", onnx.TypeProto())])
     model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]))
     assert not ConvPatchesPass()(model).modified
+
+
+def _constant_kernel_model(kind: str, w: np.ndarray) -> onnx.ModelProto:
+    """``Conv(x, kernel)`` over ``[N, 3, H, W]``, the kernel a constant whose shape no value_info states."""
+    flat = helper.make_tensor("flat", onnx.TensorProto.FLOAT, [w.size], w.ravel().tolist())
+    nodes, initializers = [], []
+    if kind == "Constant":
+        nodes.append(helper.make_node("Constant", [], ["kernel"], value=helper.make_tensor(
+            "w", onnx.TensorProto.FLOAT, list(w.shape), w.ravel().tolist())))
+    else:  # a Constant reshaped by a constant shape (an initializer): OpenVINO infers the shape from both
+        nodes.append(helper.make_node("Constant", [], ["flat"], value=flat))
+        initializers.append(helper.make_tensor("shape", onnx.TensorProto.INT64, [4], list(w.shape)))
+        nodes.append(helper.make_node("Reshape", ["flat", "shape"], ["kernel"]))
+    nodes.append(helper.make_node("Conv", ["x", "kernel"], ["y"], name="conv", pads=[1, 1, 1, 1]))
+    graph = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT,
+                                                                          ["N", 3, "H", "W"])],
+                              [helper.make_value_info("y", onnx.TypeProto())], initializer=initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)
+
+
+@openvino
+@pytest.mark.parametrize("kind", ["Constant", "Reshape"])
+def test_a_constant_kernel_of_unstated_shape_is_not_refused_and_openvino_compiles_it(kind):
+    """Before: any kernel without a stated shape counted as dynamic (a false refusal: a fallback to PyTorch)."""
+    from onnxtrain.runtime.openvino import OpenVINOSession, _read_dynamic_kernel, core, dynamic_kernel
+
+    w = RNG.uniform(-1, 1, (4, 3, 3, 3)).astype(np.float32)
+    model = _constant_kernel_model(kind, w)
+    graph = ir.from_proto(model).graph
+    assert graph.node("conv").inputs[1].shape is None  # nothing states it
+    assert dynamic_kernel(graph) is None
+    assert _read_dynamic_kernel(core().read_model(model.SerializeToString())) is None  # OpenVINO's own reading
+    x = RNG.uniform(-1, 1, (2, 3, 7, 5)).astype(np.float32)
+    (got,) = OpenVINOSession(model.SerializeToString()).run(None, {"x": x})
+    want = TF.conv2d(torch.tensor(x, dtype=torch.float64), torch.tensor(w, dtype=torch.float64), padding=1)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
+
+
+@openvino
+@pytest.mark.parametrize("case", ["conv2d", "conv-transpose2d"])
+def test_a_weight_gradients_kernel_is_still_refused(case):
+    """Its kernel is the output gradient, whose size follows the batch: OpenVINO refuses it too."""
+    from onnxtrain.runtime.openvino import _read_dynamic_kernel, core, dynamic_kernel
+
+    model = _gradient_graph(case)[0]
+    assert "kernel of dynamic size" in dynamic_kernel(ir.from_proto(model).graph)
+    assert _read_dynamic_kernel(core().read_model(model.SerializeToString())) is not None

@@ -59,13 +59,31 @@ def dynamic_kernel(graph) -> str | None:
     """Why OpenVINO's CPU plugin cannot compile ``graph`` (an ``onnx_ir`` graph): its first convolution whose
     kernel has a size not fixed in the graph, named; None if there is none. For a caller that must decide
     before anything runs (ORTModule builds its training graphs before the first call; OpenVINO compiles them
-    lazily, with the first call's shapes)."""
+    lazily, with the first call's shapes). A size is fixed as OpenVINO reads the graph (what
+    :func:`_read_dynamic_kernel` finds on the model it read): stated in full, or the kernel is a constant (an
+    initializer, a ``Constant``, or computed from constants only, whose shapes OpenVINO infers), stated or not."""
+    constant = _constant_values(graph)
     for node in graph.all_nodes():
         if node.op_type in KERNEL_OPS and node.domain in ("", "ai.onnx") and len(node.inputs) > 1:
-            shape = node.inputs[1].shape if node.inputs[1] is not None else None
-            if shape is None or not all(isinstance(d, int) for d in shape):
+            kernel = node.inputs[1]
+            shape = kernel.shape if kernel is not None else None
+            fixed = shape is not None and all(isinstance(d, int) for d in shape)
+            if not fixed and kernel not in constant:
                 return _kernel_refusal(node.name or node.op_type)
     return None
+
+
+def _constant_values(graph) -> set:
+    """The values of ``graph`` (subgraphs included) that hold constants: initializers that are not graph inputs,
+    ``Constant`` outputs, and the outputs of nodes all of whose inputs are such (graph order: a node read
+    before its inputs' producers is not counted, which only refuses more)."""
+    constant = {v for v in graph.initializers.values() if not v.is_graph_input()}
+    for node in graph.all_nodes():
+        inputs = [v for v in node.inputs if v is not None]
+        if (node.op_type == "Constant" and not inputs) or (inputs and all(v in constant for v in inputs)
+                                                           and not node.op_type.startswith("Random")):
+            constant.update(node.outputs)
+    return constant
 
 
 def _kernel_refusal(name: str) -> str:
