@@ -415,3 +415,64 @@ def test_bf16_artifacts_of_a_convolution_model_train_on_openvino(tmp_path):
         optimizer.step()
         module.lazy_reset_grad()
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+class _ExactHead(torch.nn.Module):
+    """Logits exact in bfloat16: inputs of -1, 0 and 1, an identity layer and an output layer of multiples of 1/8
+    (the identity puts a product under the loss gradient's product, as in a real model). ``seq``: logits
+    [N, C, L], the loss over ``N * L`` samples."""
+
+    def __init__(self, seq: bool, hidden=32, classes=40):
+        super().__init__()
+        self.seq = seq
+        self.hidden = torch.nn.Linear(hidden, hidden, bias=False)
+        self.head = torch.nn.Linear(hidden, classes, bias=False)
+        with torch.no_grad():
+            self.hidden.weight.copy_(torch.eye(hidden))
+            g = torch.Generator().manual_seed(0)
+            self.head.weight.copy_(torch.randint(-1, 2, (classes, hidden), generator=g).float() / 8)
+
+    def forward(self, x):
+        logits = self.head(self.hidden(x))
+        return logits.transpose(1, 2) if self.seq else logits
+
+
+@pytest.mark.skipif(not backends.openvino_has_bf16(), reason="this CPU has no bfloat16 arithmetic")
+@pytest.mark.parametrize("seq", [False, True], ids=["rows", "sequence"])
+def test_default_cross_entropy_scale_stays_float32_on_bf16(seq, tmp_path):
+    """CrossEntropyLoss() (no class weights, no ignore_index: one scale 1/27 for the batch's 27 samples) on the
+    bf16 artifacts: every float node of the loss gradient runs float32 on OpenVINO, and the output layer's weight
+    gradient is float64's loss gradient, rounded to bfloat16 where the product reads it, times the exact input.
+    Before: the plugin rewrote the scale's Divide (rows) and the per-row Unsqueeze (sequence) into nodes of its
+    own that ran bfloat16, and every gradient came out 1.0014x float64's."""
+    from onnxtrain import artifacts
+    from tests.ondevice.helpers import export
+
+    model = _ExactHead(seq)
+    shape = (9, 3, 32) if seq else (27, 32)
+    x = torch.randint(-1, 2, shape, generator=torch.Generator().manual_seed(1)).float()
+    y = torch.randint(0, 40, shape[:-1], generator=torch.Generator().manual_seed(2))
+    export(model, (x,), tmp_path / "m.onnx", ["x"])
+    paths = artifacts.generate_artifacts(str(tmp_path / "m.onnx"), requires_grad=["head.weight", "hidden.weight"],
+                                         loss=artifacts.CrossEntropyLoss(), artifact_directory=tmp_path / "a",
+                                         precision="bf16")
+    state = CheckpointState.load_checkpoint(paths.checkpoint)
+    module = Module(paths.training_model, state, paths.eval_model, backend="openvino", precision="bf16")
+    module(x.numpy(), y.numpy())
+    runtime = [(op.get_rt_info()["originalLayersNames"].astype(str), op.get_rt_info()["runtimePrecision"].astype(str))
+               for op in module._train.session._compile().get_runtime_model().get_ordered_ops()]
+    loss_grad = [(name, p) for name, p in runtime if "SoftmaxCrossEntropyLoss_Grad" in name or "Power" in name]
+    assert loss_grad and all(p not in ("bf16", "f16") for _, p in loss_grad), loss_grad
+    assert any(p == "bf16" for name, p in runtime if "weight_grad" in name)  # the products do run bfloat16
+    double = model.double()
+    h = double.hidden(x.double()).detach()
+    logits = double.head(h).detach()
+    logits = (logits.transpose(1, 2) if seq else logits).requires_grad_()
+    torch.nn.functional.cross_entropy(logits, y).backward()
+    dlogits = logits.grad.float().bfloat16().double()
+    if seq:
+        dlogits, h = dlogits.transpose(1, 2).flatten(0, 1), h.flatten(0, 1)
+    want = (dlogits.T @ h).numpy()
+    got = state.parameters["head.weight"].grad.astype(np.float64)
+    factor = float(np.vdot(got, want) / np.vdot(want, want))
+    assert _rel(got, want) < 1e-4 and abs(factor - 1) < 1e-5, (_rel(got, want), factor)  # before: 1.0014

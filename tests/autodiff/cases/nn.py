@@ -43,6 +43,10 @@ for op in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"):
                       {"reduction": "none", "ignore_index": -100}, const=("w",), opset=13,
                       name=f"{short}-none-3d-weight-ignore-opset13"))
     CASES.append(Case(op, [("x", F(4, 5)), ("t", _labels((4,), 5))], opset=15, name=f"{short}-mean-opset15"))
+    # the default mean over [N, C, d]: weights of one, the scale reshaped per row (autodiff/rules/nn.py)
+    CASES.append(Case(op, [("x", F(3, 5, 2)), ("t", _labels((3, 2), 5))], name=f"{short}-mean-3d"))
+    CASES.append(Case(op, [("x", F(2, 5, 0)), ("t", _labels((2, 0), 5))], {"reduction": "none"},
+                      name=f"{short}-none-3d-empty-axis"))
 CASES += [
     Case("SoftmaxCrossEntropyLoss", [("x", F(4, 5)), ("t", _labels((4,), 5, ignore=1))],
          {"reduction": "mean", "ignore_index": 1}, num_outputs=2, name="SCE-with-log-prob"),

@@ -92,19 +92,24 @@ def _nll_coefficients(g: GradContext, dloss: ir.Value, scores: ir.Value, target:
                       weight_input: int) -> tuple[ir.Value, ir.Value, bool]:
     """NegativeLogLikelihoodLoss's gradient w.r.t. its scores is ``-coef`` at each sample's target class
     and zero elsewhere. Returns (safe target, coef, per_sample): coef is a scalar, or [N, d...] when
-    ``per_sample``."""
+    ``per_sample``.
+
+    A mean without class weights or ``ignore_index`` takes weights of one (``target == target``), so its count
+    is a float ``ReduceSum`` and its scale per sample, as with weights: the same values (``n`` exact, ``g / n``
+    times 1), but OpenVINO's CPU plugin rewrote ``g / Cast(Size(target))`` into a ``Multiply`` by a ``Power(n,
+    -1)`` of its own, without the loss region's float32 marking, and under its bf16 hint the scale rounded to
+    bfloat16 (on-device ``CrossEntropyLoss()``, 27 rows: every gradient 1.0013x float64's; docs/precision.md)."""
     reduction = g.attr("reduction", "mean")
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"{g.node.op_type} node {g.node.name!r}: unknown reduction {reduction!r}")
     safe, w = _sample_weights(g, target, weight_input, scores)
+    if w is None and reduction == "mean":  # weights of one: the count a float sum, the scale per sample
+        w = g.b.Cast(g.b.Equal(target, target), to=scores.dtype)
     coef = dloss  # per sample for "none", a scalar otherwise
     if reduction == "mean":
-        if w is None:
-            count = g.b.Cast(g.b.Size(target), to=scores.dtype)
-        else:
-            total = g.b.ReduceSum(w, keepdims=0)
-            zero = g.b.scalar(0.0, scores)
-            count = g.b.Where(g.b.Equal(total, zero), g.b.scalar(1.0, scores), total)  # all ignored: 0 grad
+        total = g.b.ReduceSum(w, keepdims=0)
+        zero = g.b.scalar(0.0, scores)
+        count = g.b.Where(g.b.Equal(total, zero), g.b.scalar(1.0, scores), total)  # all ignored: 0 grad
         coef = g.b.Div(coef, count)
     if w is not None:
         coef = g.b.Mul(coef, w)
@@ -112,13 +117,19 @@ def _nll_coefficients(g: GradContext, dloss: ir.Value, scores: ir.Value, target:
 
 
 def _per_row(g: GradContext, coef: ir.Value, scores: ir.Value) -> ir.Value:
-    """A per-sample ``coef`` [N, d...] as [N, 1, d...], to scale the scores' rows. With 2-D scores a ``Reshape``
-    to [-1, 1], not an ``Unsqueeze``: OpenVINO's CPU plugin rewrites an ``Unsqueeze`` into a ``Reshape`` of its own
-    that loses the loss region's float32 marking, and under its bf16 hint the loss gradient's scale (``g / count``)
-    was rounded to bfloat16, every gradient of the step with it (docs/precision.md)."""
+    """A per-sample ``coef`` [N, d...] as [N, 1, d...], to scale the scores' rows. A ``Reshape`` (to [-1, 1] for
+    2-D scores; else to ``coef``'s shape with a 1 put after ``N``, zeros meant as sizes), not an ``Unsqueeze``:
+    OpenVINO's CPU plugin rewrites an ``Unsqueeze`` into a ``Reshape`` of its own that loses the loss region's
+    float32 marking, and under its bf16 hint the loss gradient's scale (``g / count``) was rounded to bfloat16,
+    every gradient of the step with it (docs/precision.md). Scores of unknown rank, or opsets before 14 (no
+    ``allowzero``): the ``Unsqueeze``."""
     if scores.shape is not None and len(scores.shape) == 2:
         return g.b.Reshape(coef, g.b.ints([-1, 1]))
-    return g.b.Unsqueeze(coef, g.b.ints([1]))
+    if scores.shape is None or g.onnx_opset < 14:
+        return g.b.Unsqueeze(coef, g.b.ints([1]))
+    shape = g.b.Shape(coef)
+    head, tail = (g.b.Slice(shape, g.b.ints([a]), g.b.ints([b])) for a, b in ((0, 1), (1, len(scores.shape) - 1)))
+    return g.b.Reshape(coef, g.b.Concat(head, g.b.ints([1]), tail, axis=0), allowzero=1)
 
 
 def _scatter_targets(g: GradContext, data: ir.Value, safe: ir.Value, coef: ir.Value, per_sample: bool):
