@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from onnxtrain.runtime import torch_threads
+
 __all__ = ["AdamWMode", "FusedAdam"]
 
 
@@ -111,12 +113,15 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for index, group in enumerate(self.param_groups):
-            for bucket_key, (params, grads, exp_avgs, exp_avg_sqs, states) in self._buckets(group, index).items():
-                step = bucket_key[2] + 1
-                for state in states:
-                    state["step"] = step
-                _adam_update(params, grads, exp_avgs, exp_avg_sqs, step=step, group=group)
+        # Where ORTModule runs graphs on OpenVINO, the update opens no OpenMP team, whose idle worker would spin
+        # on a core the next graph call needs (onnxtrain.runtime.torch_threads)
+        with torch_threads.one_thread(only_with_graph_calls=True):
+            for index, group in enumerate(self.param_groups):
+                for bucket_key, (params, grads, exp_avgs, exp_avg_sqs, states) in self._buckets(group, index).items():
+                    step = bucket_key[2] + 1
+                    for state in states:
+                        state["step"] = step
+                    _adam_update(params, grads, exp_avgs, exp_avg_sqs, step=step, group=group)
         return loss
 
     def _buckets(self, group: dict[str, Any], index: int) -> dict[tuple, tuple[list, list, list, list, list]]:

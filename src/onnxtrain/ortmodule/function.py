@@ -11,12 +11,15 @@ backward graph.
 
 from __future__ import annotations
 
+import contextlib
+
 import onnxruntime as ort
 import torch
 from torch.autograd.function import once_differentiable
 
 from onnxtrain.ortmodule.graphs import SchemaGraphs, Training
 from onnxtrain.passes.defer_row_scatters import RowScatters
+from onnxtrain.runtime import torch_threads
 from onnxtrain.utils.ort_options import release_arena
 
 
@@ -76,7 +79,9 @@ class ORTFunction(torch.autograd.Function):
             raise RuntimeError("ORTModule's graphs give first-order gradients only: a backward with "
                                "create_graph=True (torch.autograd.grad of a gradient: gradient penalties, "
                                "Hessian-vector products, MAML) needs the module run in PyTorch, without ORTModule")
-        return ORTFunction._backward(ctx, *grad_outputs)
+        # on OpenVINO, the torch work here opens no OpenMP team whose idle worker would spin into the next call
+        with torch_threads.one_thread() if ctx.training.forward.backend == "openvino" else contextlib.nullcontext():
+            return ORTFunction._backward(ctx, *grad_outputs)
 
     @staticmethod
     @once_differentiable

@@ -14,7 +14,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from onnxtrain.runtime import backends
+from onnxtrain.runtime import backends, torch_threads
 from onnxtrain.runtime.dlpack import to_ortvalue, to_torch
 from onnxtrain.utils.ort_options import for_training
 
@@ -103,6 +103,8 @@ class TorchSession:
             # MLP's forward call right after the optimizer: about twice its time after a pause; docs/precision.md)
             self._session = backends.create_session(model.SerializeToString(), backend, precision, options,
                                                     pin_threads=False)
+            if backend == "openvino" and self.device.type == "cpu":
+                torch_threads.note_graph_threads()  # onnxtrain's torch work between calls opens no OpenMP team
         self.input_names = [i.name for i in self._session.get_inputs()]
         # OpenVINO drops a graph input no node reads (a buffer the forward does not use, as Llama's
         # original_inv_freq): callers pass every graph input, and those are left out here.
