@@ -57,6 +57,9 @@ def one_thread(only_with_graph_calls: bool = False) -> Iterator[None]:
         yield
         return
     set_threads, max_threads = omp
+    import torch
+
+    torch.get_num_threads()  # torch's first use on a thread sets the thread's count: done before, not inside
     before = max_threads()
     if before == 1:
         yield
