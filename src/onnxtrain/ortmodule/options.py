@@ -23,7 +23,7 @@ Environment variables (read when an ORTModule is created):
 - ``ONNXTRAIN_FUSED_STEP=0`` (read when training graphs are built) turns off the one-call forward +
   backward that OpenVINO runs when a scalar loss is the only output that can take a gradient
   (:mod:`onnxtrain.ortmodule.fused`); the forward and backward graphs then run as on onnxruntime.
-- ``ONNXTRAIN_ONE_OMP_THREAD=0`` (read at the first backward on OpenVINO) keeps torch's thread count for
+- ``ONNXTRAIN_ONE_OMP_THREAD=0`` (read once, at the first use) keeps torch's thread count for
   onnxtrain's torch work between OpenVINO calls (the backward's glue, ``FusedAdam``'s update), which otherwise
   runs at one OpenMP thread so that no idle torch worker spins into the next call
   (:mod:`onnxtrain.runtime.torch_threads`).
