@@ -210,7 +210,7 @@ def main() -> int:
     parser.add_argument("--bf16", action="store_true",
                         help="add bf16 rows: torch.autocast bf16 eager, and on-device on OpenVINO with bf16")
     parser.add_argument("--torch-optimizer", choices=["adamw", "fused"], default="adamw",
-                        help="PyTorch's AdamW: adamw, torch's default (foreach); fused, its one-pass kernel "
+                        help="PyTorch's AdamW: adamw, torch's default (on CPU its single-tensor loop); fused, its one-pass kernel "
                              "(eager's fastest). The on-device side runs its own optimizer graph either way")
     parser.add_argument("--worker", choices=["ondevice", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)
@@ -225,7 +225,7 @@ def main() -> int:
         return 0
 
     print(f"threads={args.threads} steps={args.steps} (after {args.warmup} warm-up); step = forward+backward+AdamW; "
-          f"PyTorch's AdamW: {'fused=True' if args.torch_optimizer == 'fused' else 'foreach (default)'}")
+          f"PyTorch's AdamW: {'fused=True' if args.torch_optimizer == 'fused' else 'torch default (single-tensor loop on CPU)'}")
     print(f"{'model':<6} {'side':<13} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} {'peak RSS MB':>12}")
     for name in args.models:
         with tempfile.TemporaryDirectory(prefix=f"ondevice_bench_{name}_") as tmp:
