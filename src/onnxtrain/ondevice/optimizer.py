@@ -125,8 +125,9 @@ class Optimizer:
             self._scaling = (live, (np.zeros_like(live[0]), np.zeros_like(live[1])))
         # Row by row, the update is written in place (see the module's docstring), and from two threads if it may
         # use them, on ranges of the rows
-        self._in_place = IN_PLACE and _row_by_row(session, meta)
-        ranged = _row_by_row(session, meta) and _threads(module.session_options) >= 2
+        row_by_row = _row_by_row(session, meta)
+        self._in_place = IN_PLACE and row_by_row
+        ranged = row_by_row and _threads(module.session_options) >= 2
         if ranged:  # the ranges are the threads: each call runs on one (no second pool splitting its nodes)
             options = module.session_options
             previous, options.intra_op_num_threads = options.intra_op_num_threads, 1

@@ -117,19 +117,16 @@ def draw_order(model: ir.Model) -> list[str]:
 
 def _times_zero(graph: ir.Graph, node: ir.Node) -> None:
     """``Dropout(x, ratio=1)`` -> ``x * 0``: eager's (NaN where x is not finite)."""
-    x, y = node.inputs[0], node.outputs[0]
+    x = node.inputs[0]
     zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, dtype=_NUMPY[x.dtype]))})
     product = ir.node("Mul", [x, zero.outputs[0]], name=node.name)
     product.outputs[0].dtype, product.outputs[0].shape = x.dtype, ir.Shape(x.shape)
-    graph.insert_before(node, [zero, product])
-    product.outputs[0].name, y.name = y.name, f"{y.name}_dropout"
-    ir.convenience.replace_all_uses_with(y, product.outputs[0], replace_graph_outputs=True)
-    graph.remove(node, safe=True)
+    _replace(graph, node, [zero, product])
 
 
 def _scale_by_mask(graph: ir.Graph, node: ir.Node, mask: ir.Value, p: float) -> None:
     """``Dropout(x)`` -> ``x * (Cast(mask) * scale)``, scale ``float32(1) / float32(1 - p)`` (torch's rounding)."""
-    x, y = node.inputs[0], node.outputs[0]
+    x = node.inputs[0]
     scale = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(
         np.float32(1) / np.float32(1 - p), dtype=np.float32).astype(_NUMPY[x.dtype]))})
     cast = ir.node("Cast", [mask], attributes={"to": x.dtype})
@@ -139,11 +136,18 @@ def _scale_by_mask(graph: ir.Graph, node: ir.Node, mask: ir.Value, p: float) -> 
         new.outputs[0].dtype, new.outputs[0].shape = x.dtype, ir.Shape(x.shape)
     for new in (scale, cast, noise, product):  # where the node came from (attention: kept float32 as a whole)
         new.metadata_props.update(node.metadata_props)
-    graph.insert_before(node, [scale, cast, noise, product])
-    product.outputs[0].name, y.name = y.name, f"{y.name}_dropout"  # a graph output keeps its name
-    ir.convenience.replace_all_uses_with(y, product.outputs[0], replace_graph_outputs=True)
     if len(node.outputs) > 1 and node.outputs[1] is not None:
         ir.convenience.replace_all_uses_with(node.outputs[1], mask)
+    _replace(graph, node, [scale, cast, noise, product])
+
+
+def _replace(graph: ir.Graph, node: ir.Node, new: list[ir.Node]) -> None:
+    """Put ``new`` before ``node``, its last node's output taking the place and the name of ``node``'s first
+    output (a graph output keeps its name), and remove ``node``."""
+    y, out = node.outputs[0], new[-1].outputs[0]
+    graph.insert_before(node, new)
+    out.name, y.name = y.name, f"{y.name}_dropout"
+    ir.convenience.replace_all_uses_with(y, out, replace_graph_outputs=True)
     graph.remove(node, safe=True)
 
 
