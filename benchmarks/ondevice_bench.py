@@ -7,6 +7,7 @@ the model and generates the artifacts first.
     python benchmarks/ondevice_bench.py                 # MLP and BERT-small, 2 threads
     python benchmarks/ondevice_bench.py --models mlp --steps 50 --threads 4
     python benchmarks/ondevice_bench.py --bf16          # adds autocast-bf16 eager and OpenVINO bf16 rows
+    python benchmarks/ondevice_bench.py --models bert --bf16 --account --steps 40   # where the on-device step goes
 
 Models: MLP 784-1024-1024-10, batch 128; BERT-small (hidden 256, 4 layers, 4 heads, intermediate
 1024, seq 128, batch 8, dropout off), sequence classification with 2 labels.
@@ -95,8 +96,8 @@ def time_steps(step, steps: int, warmup: int, min_seconds: float = 0.0) -> list[
     return times
 
 
-def worker_ondevice(args) -> dict:
-
+def ondevice_runtime(args):
+    """The on-device Module and Optimizer over the artifacts in ``--dir``, as the workers run them."""
     from onnxtrain.api import CheckpointState, Module, Optimizer
     from onnxtrain.utils.ort_options import for_training
 
@@ -109,6 +110,11 @@ def worker_ondevice(args) -> dict:
                     precision=args.precision)
     optimizer = Optimizer(d / "optimizer_model.onnx", module)
     optimizer.set_learning_rate(1e-4)
+    return module, optimizer
+
+
+def worker_ondevice(args) -> dict:
+    module, optimizer = ondevice_runtime(args)
     inputs, labels = make_batch(args.model)
     calls = {"training call": [], "optimizer call": []}  # each step's two parts (warm-up included)
 
@@ -125,6 +131,54 @@ def worker_ondevice(args) -> dict:
     parts = {name: statistics.median(values[args.warmup:]) for name, values in calls.items()}
     return {"times": times, "peak_rss_mb": peak_rss_mb(), "parts": parts,
             "loaded_torch": "torch" in sys.modules, "ran": [module.backend, module.precision]}
+
+
+def worker_account(args) -> dict:
+    """The on-device step in parts, wall and CPU (``time.process_time``: every thread), per step, medians over
+    ``--steps`` steps: the training session's call (OpenVINO's infer on bf16), the embedding gradients' rows added
+    (``FlatBuffers.add_rows``, bf16 artifacts), the module's other work (input checks, binding, outputs), the
+    optimizer step, and the rest (``lazy_reset_grad``, the loop), from which the idle gaps follow."""
+    from onnxtrain.ondevice import buffers
+
+    module, optimizer = ondevice_runtime(args)
+    inputs, labels = make_batch(args.model)
+    inner = {"session": [0.0, 0.0], "rows": [0.0, 0.0]}  # this step's (wall, CPU) of the timed calls
+
+    def timed(fn, into):
+        def call(*a, **k):
+            start, cpu = time.perf_counter(), time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                into[0] += time.perf_counter() - start
+                into[1] += time.process_time() - cpu
+        return call
+
+    session = module._train.session
+    session.run_with_iobinding = timed(session.run_with_iobinding, inner["session"])
+    buffers.FlatBuffers.add_rows = timed(buffers.FlatBuffers.add_rows, inner["rows"])
+    names = ("step", "training session call", "embedding rows added", "module's other work", "optimizer step", "rest")
+    parts = {name: [] for name in names}
+    for k in range(args.warmup + args.steps):
+        for into in inner.values():
+            into[:] = [0.0, 0.0]
+        clocks = [(time.perf_counter(), time.process_time())]
+        module(*inputs, labels)
+        clocks.append((time.perf_counter(), time.process_time()))
+        optimizer.step()
+        clocks.append((time.perf_counter(), time.process_time()))
+        module.lazy_reset_grad()
+        clocks.append((time.perf_counter(), time.process_time()))
+        if k < args.warmup:
+            continue
+        (w0, c0), (w1, c1), (w2, c2), (w3, c3) = clocks
+        (ws, cs), (wr, cr) = inner["session"], inner["rows"]
+        for name, value in zip(names, ((w3 - w0, c3 - c0), (ws, cs), (wr, cr), (w1 - w0 - ws - wr, c1 - c0 - cs - cr),
+                                       (w2 - w1, c2 - c1), (w3 - w2, c3 - c2))):
+            parts[name].append(value)
+    medians = {name: [statistics.median(v[0] for v in values), statistics.median(v[1] for v in values)]
+               for name, values in parts.items()}
+    return {"parts": medians, "loaded_torch": "torch" in sys.modules}
 
 
 def worker_torch(args) -> dict:
@@ -199,6 +253,32 @@ def run_worker(side: str, name: str, d: Path, args) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def account(args) -> int:
+    """``--account``: the on-device step's parts, per model (see :func:`worker_account`)."""
+    side = "ondevice-bf16" if args.bf16 else "ondevice"
+    _, backend, precision = SIDES[side]
+    print(f"{side}, threads={args.threads}, {args.steps} steps (after {args.warmup}); median ms a step, wall / CPU "
+          "(all threads)")
+    for name in args.models:
+        with tempfile.TemporaryDirectory(prefix=f"ondevice_account_{name}_") as tmp:
+            d = Path(tmp) / precision
+            d.mkdir()
+            generate(name, d, precision)
+            cmd = [sys.executable, __file__, "--worker", "account", "--model", name, "--dir", str(d),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+                   "--precision", precision, "--backend", backend]
+            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+            result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+            if result.returncode != 0:
+                raise RuntimeError(f"account worker for {name} failed:\n{result.stderr[-3000:]}")
+            r = json.loads(result.stdout.strip().splitlines()[-1])
+        for part, (wall, cpu) in r["parts"].items():
+            print(f"{name:<6} {part:<24} {wall * 1e3:8.2f} / {cpu * 1e3:7.2f}")
+        if r["loaded_torch"]:
+            print("warning: the on-device worker imported torch")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["mlp", "bert"], choices=["mlp", "bert"])
@@ -212,7 +292,10 @@ def main() -> int:
     parser.add_argument("--torch-optimizer", choices=["adamw", "fused"], default="adamw",
                         help="PyTorch's AdamW: adamw, torch's default (on CPU its single-tensor loop); fused, its one-pass kernel "
                              "(eager's fastest). The on-device side runs its own optimizer graph either way")
-    parser.add_argument("--worker", choices=["ondevice", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--account", action="store_true",
+                        help="instead of the comparison: the on-device step in parts, wall and CPU (bf16 artifacts "
+                             "on OpenVINO with --bf16)")
+    parser.add_argument("--worker", choices=["ondevice", "torch", "account"], help=argparse.SUPPRESS)
     parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -220,9 +303,11 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.worker:
-        result = (worker_ondevice if args.worker == "ondevice" else worker_torch)(args)
+        result = {"ondevice": worker_ondevice, "torch": worker_torch, "account": worker_account}[args.worker](args)
         print(json.dumps(result))
         return 0
+    if args.account:
+        return account(args)
 
     print(f"threads={args.threads} steps={args.steps} (after {args.warmup} warm-up); step = forward+backward+AdamW; "
           f"PyTorch's AdamW: {'fused=True' if args.torch_optimizer == 'fused' else 'torch default (single-tensor loop on CPU)'}")

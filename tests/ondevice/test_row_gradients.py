@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from onnxtrain.api import CheckpointState, Module, Optimizer
-from onnxtrain.ondevice.buffers import sum_rows
+from onnxtrain.ondevice.buffers import FlatBuffers, FlatLayout, sum_rows
 from onnxtrain.ondevice.format import ROW_GRADIENTS_FORMAT, TRAINING_METADATA_KEY
 from tests.conformance.test_schemas import _validator
 from tests.ondevice.helpers import export, generate
@@ -125,3 +125,17 @@ def test_sum_rows_adds_each_id_s_rows_in_order():
     assert empty_ids.size == 0 and empty_rows.shape == (0, 3)
     with pytest.raises(IndexError, match="outside"):
         sum_rows(np.array([300]), rows[:1], 300)
+
+
+def test_add_rows_into_zeros_is_zero_plus_the_sums():
+    """Into zeros, the rows an earlier step wrote are cleared and each sum lands as 0 + sum (a -0.0 sum as 0.0, what
+    the scatter-add into zeros gives); accumulated, the sums add into what is there."""
+    layout = FlatLayout(["t"], {"t": (6, 2)}, {"t": np.float32})
+    buffers = FlatBuffers(layout, {"t": np.ones((6, 2), np.float32)})
+    grad = buffers.grad_views["t"]
+    buffers.add_rows("t", np.array([1, 3, 1]), np.array([[1, 2], [-0.0, 5], [3, 4]], np.float32), into_zeros=True)
+    assert np.array_equal(grad, [[0, 0], [4, 6], [0, 0], [0, 5], [0, 0], [0, 0]]) and not np.signbit(grad).any()
+    buffers.add_rows("t", np.array([3, -2]), np.array([[1, 1], [2, 2]], np.float32), into_zeros=False)
+    assert np.array_equal(grad, [[0, 0], [4, 6], [0, 0], [1, 6], [2, 2], [0, 0]])
+    buffers.add_rows("t", np.array([0]), np.array([[7, 7]], np.float32), into_zeros=True)  # rows 1, 3, 4 cleared
+    assert np.array_equal(grad, [[7, 7], [0, 0], [0, 0], [0, 0], [0, 0], [0, 0]])

@@ -140,20 +140,24 @@ class FlatBuffers:
         (the rows of a repeated id in their order); ``into_zeros``: into zeros instead of the gradient there (only
         the rows this method wrote since the vector was last zero-filled are cleared, not the whole table)."""
         view = self.grad_views[name]
-        if into_zeros:
-            view[self._rows_written.pop(name, _NO_ROWS)] = 0
         ids, sums = sum_rows(ids, rows, len(view))
-        view[ids] += sums
-        self._rows_written[name] = np.union1d(self._rows_written.get(name, _NO_ROWS), ids)
+        written = self._rows_written.pop(name, None)
+        if into_zeros:  # every row is zero once those written are: write the sums (0 + s: -0.0 becomes 0.0, as added)
+            if written is not None:
+                view[written] = 0
+            written = None
+            view[ids] = np.add(sums, 0.0, out=sums)  # sums: sum_rows' own array (no gather of the old rows)
+        else:
+            view[ids] += sums
+        self._rows_written[name] = ids if written is None else np.union1d(written, ids)  # ids: sorted, distinct
 
-
-_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 def sum_rows(ids: np.ndarray, rows: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct ids of ``ids`` (indices into ``size`` rows; negative ones count from the end, as ONNX's) and
-    for each the sum of its ``rows``: added in their order, as a scatter-add adds them (the same values), for an id
-    of at most 16 rows; numpy's sum (its own order) for one of more, a run one row at a time would take 1-3 ms."""
+    """The distinct ids of ``ids`` (indices into ``size`` rows; negative ones count from the end, as ONNX's), sorted,
+    and for each the sum of its ``rows`` (new arrays where there are ids): added in their order, as a scatter-add adds
+    them (the same values), for an id of at most 16 rows; numpy's sum (its own order) for one of more, a run one row at
+    a time would take 1-3 ms."""
     ids = ids.reshape(-1)
     if len(ids) != len(rows):
         raise ValueError(f"{len(ids)} ids for {len(rows)} gradient rows")
@@ -162,19 +166,19 @@ def sum_rows(ids: np.ndarray, rows: np.ndarray, size: int) -> tuple[np.ndarray, 
     if ids.min() < -size or ids.max() >= size:
         raise IndexError(f"a row id outside [-{size}, {size}) in an embedding gradient")
     ids = np.where(ids < 0, ids + size, ids)
-    order = np.argsort(ids, kind="stable")
-    ids, rows = ids[order], rows[order]
+    order = np.argsort(ids, kind="stable")  # an id's rows stay in their order; the rows are gathered once, below
+    ids = ids[order]
     starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
     if len(starts) == len(ids):
-        return ids, rows
+        return ids, rows[order]
     counts = np.diff(np.append(starts, len(ids)))
-    sums = rows[starts]
+    sums = rows[order[starts]]
     short = np.flatnonzero(counts <= _FEW)  # token ids, mostly distinct: the k-th rows of the runs that long, in turn
     for k in range(1, int(counts[short].max(initial=1))):
         runs = short[counts[short] > k]
-        sums[runs] += rows[starts[runs] + k]
+        sums[runs] += rows[order[starts[runs] + k]]
     for run in np.flatnonzero(counts > _FEW):  # a few long runs (a type or position id): numpy's sum each
-        sums[run] = rows[starts[run]:starts[run] + counts[run]].sum(axis=0)
+        sums[run] = rows[order[starts[run]:starts[run] + counts[run]]].sum(axis=0)
     return ids[starts], sums
 
 
