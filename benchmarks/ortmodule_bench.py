@@ -11,12 +11,19 @@ median step times to eager and to torch.compile (>1 means faster than it), and p
 issue 17 targets' rows follow, under a line naming the AdamW each side ran (``--optimizer``); a target is
 decided by a run in which every side runs the same AdamW kernel (``--optimizer adamw`` or ``fused``; the verdict
 names which), never by ``ort``, where ORTModule's optimizer differs from eager's.
+
+``--rounds N`` (N > 1) runs each workload's modes N times in turn (mode A, B, C, then A, B, C again, each in its
+own process), prints each round's medians and ratios as it ends, then each mode's per-round medians and each
+ratio's per-round values with their median, and the targets' rows decided by the median of the per-round ratios
+(with how many rounds met them): eager's own median moves 15-25% between quiet rounds, so one run's ratio is one
+draw. N = 1 (the default) prints what it always did.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -254,6 +261,87 @@ def report_targets(by_key: dict) -> None:
         print("\n".join(rows))
 
 
+def round_ratios(rounds: list[dict]) -> dict:
+    """Per-round ratios: {(workload, mode, "eager" or "compile"): [ratio of each round where both ran]}; ``rounds``
+    holds one ``by_key`` (``{(workload, mode): result}``) per round."""
+    out: dict = {}
+    for by_key in rounds:
+        for (workload, mode), r in by_key.items():
+            if "median_s" not in r:
+                continue
+            suffix = "-bf16" if mode.endswith("-bf16") else ""
+            for against in ("eager", "compile"):
+                other = by_key.get((workload, against + suffix), {})
+                if "median_s" in other and against + suffix != mode:
+                    out.setdefault((workload, mode, against), []).append(other["median_s"] / r["median_s"])
+    return out
+
+
+def rounds_summary(rounds: list[dict]) -> list[str]:
+    """The lines printed after N rounds: each mode's per-round medians (ms) and their median, each ratio's
+    per-round values and their median, then the bf16 targets decided by the median of the per-round ratios."""
+    lines, keys = [], []
+    for by_key in rounds:
+        keys += [k for k in by_key if k not in keys]
+    per_ratio = round_ratios(rounds)
+    lines.append(f"{'workload':9} {'mode':14} per-round medians (ms) -> median; ratios per round -> median")
+    for workload, mode in keys:
+        medians = [b[(workload, mode)]["median_s"] * 1e3 for b in rounds if "median_s" in b.get((workload, mode), {})]
+        if not medians:
+            lines.append(f"{workload:9} {mode:14} failed in every round")
+            continue
+        text = f"{workload:9} {mode:14} {' '.join(f'{m:.1f}' for m in medians)} -> {statistics.median(medians):.1f}"
+        for against in ("eager", "compile"):
+            values = per_ratio.get((workload, mode, against))
+            if values:
+                text += f"; vs {against} {' '.join(f'{v:.2f}' for v in values)} -> {statistics.median(values):.2f}x"
+        lines.append(text)
+    targets = []
+    for (workload, against), target in BF16_TARGETS.items():
+        values = per_ratio.get((workload, "ortmodule-bf16", against.removesuffix("-bf16")))
+        if not values:
+            continue
+        ran = {b[(workload, "ortmodule-bf16")].get("optimizer", "adamw") for b in rounds
+               if "median_s" in b.get((workload, "ortmodule-bf16"), {})}
+        ran_kind = ran.pop() if len(ran) == 1 else "mixed"
+        middle, met = statistics.median(values), sum(v >= target for v in values)
+        if ran_kind not in SAME_OPTIMIZER:
+            verdict = "(decides nothing: ORTModule's optimizer is not eager's)"
+        else:
+            verdict = ("met" if middle >= target else "NOT met") + \
+                f" by the median (--optimizer {ran_kind}); met in {met} of {len(values)} rounds"
+        targets.append(f"{workload:9} ortmodule-bf16 vs {against:13} median {middle:5.2f}x of "
+                       f"{' '.join(f'{v:.2f}' for v in values)}  target >= {target}x  {verdict}")
+    if targets:
+        lines.append(f"\nbf16 targets over {len(rounds)} rounds (issue 17; the median of the per-round ratios):")
+        lines += targets
+    return lines
+
+
+def run_rounds(args) -> list[dict]:
+    """``--rounds N``: each workload's modes N times in turn, each round's medians and ratios printed as it ends;
+    returns one ``by_key`` per round (all workloads)."""
+    rounds: list[dict] = [{} for _ in range(args.rounds)]
+    for workload in args.workloads:
+        print(f"# {workload}: {DESCRIPTIONS[workload]}", file=sys.stderr)
+        for k in range(args.rounds):
+            results = [run_one(workload, mode, args) for mode in args.modes]
+            by_key = {(r["workload"], r["mode"]): r for r in results}
+            rounds[k].update(by_key)
+            cells = []
+            for r in results:
+                if "error" in r:
+                    cells.append(f"{r['mode']} failed: {r['error']}")
+                    continue
+                against = [f"{v} {name}" for v, name in zip(ratios(r, by_key), ("eager", "compile"))
+                           if v != "-" and not r["mode"].startswith(name)]
+                cells.append(f"{r['mode']} {r['median_s'] * 1e3:.1f}ms" + (f" ({', '.join(against)})" if against else ""))
+            print(f"round {k + 1} {workload}: " + "; ".join(cells), flush=True)
+    print()
+    print("\n".join(rounds_summary(rounds)))
+    return rounds
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS), choices=WORKLOADS)
@@ -272,6 +360,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="BERT's and GPT-2's dropout probabilities (their configurations' default is 0.1)")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run each workload's modes this many times in turn and report each round's ratios "
+                             "and the median of the per-round ratios (1: one run, the table as before)")
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(*args.worker, args.steps, args.warmup, args.threads, args.optimizer,
@@ -279,6 +370,13 @@ def main(argv=None) -> int:
         return 0
     if args.steps < 20:
         parser.error("--steps must be at least 20")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.rounds > 1:
+        rounds = run_rounds(args)
+        if args.json:
+            write_json(args.json, [dict(r, round=k + 1) for k, by_key in enumerate(rounds) for r in by_key.values()])
+        return 0
     results = []
     for workload in args.workloads:
         print(f"# {workload}: {DESCRIPTIONS[workload]}", file=sys.stderr)
@@ -287,9 +385,16 @@ def main(argv=None) -> int:
             print(f"  {mode}: done", file=sys.stderr)
     report(results)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(args.json, results)
     return 0
+
+
+def write_json(path: str, results: list[dict]) -> None:
+    """``results`` to ``path``, atomically (a temporary file beside it, then renamed)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=2)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
