@@ -11,8 +11,10 @@ the infer call's wall time, the sum of node times, and the node times grouped: t
 result has the vocabulary as a dimension (a language model's output layer: its forward, input gradient and
 weight gradient), the float32 ops over vocabulary-sized tensors (the loss and its gradient), the bf16/f32
 conversions (``Reorder``, ``Convert``), the other products, and the rest by the layer each node comes from
-(LayerNorm, GELU, attention's softmax, the loss, each with its gradient) or by kind (Transposes and other nodes
-on OpenVINO's reference kernels, Transposes and Reshapes, other elementwise ops); then the largest nodes. Then,
+(LayerNorm, GELU, attention's softmax, the loss, each with its gradient; a ``Gelu`` node the plugin fused is
+GELU's) or by kind (Transposes and other nodes on OpenVINO's reference kernels, Transposes and Reshapes, other
+elementwise ops, those at the MLP's inner width apart: GPT-2's GELU gradient and the bias adds); then the largest
+nodes. Then,
 where the workload has a vocabulary-sized output layer, the same three products run by ``torch.mm`` on
 bfloat16 tensors (what eager autocast and torch.compile call for them), alternating with OpenVINO running each
 product alone (its float32 inputs converted in the call, as in the graph), medians of ``--rounds``.
@@ -32,6 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ortmodule_bench import make_workload  # noqa: E402
 
 VOCAB = {"gpt2": 50257}  # workloads whose output layer is vocabulary-sized (BERT-small's classifier has 2 classes)
+# The MLP blocks' inner width: GPT-2's tanh GELU is exported as its formula, which the plugin fuses into a Gelu node
+# forward, but its gradient's nodes carry the formula's op names (pow, add, mul), not "gelu"
+MLP_WIDTH = {"bert": 1024, "gpt2": 1024}
 
 
 def _fused_inputs(workload: str):
@@ -68,7 +73,8 @@ def _fused_inputs(workload: str):
     return session._session, captured
 
 
-def _group(node_type: str, exec_type: str, shapes: list[str], vocab: int | None, name: str = "") -> str:
+def _group(node_type: str, exec_type: str, shapes: list[str], vocab: int | None, name: str = "",
+           width: int | None = None) -> str:
     wide = vocab is not None and any(str(vocab) in s for s in shapes)
     if node_type == "MatMul":
         return "output-layer products" if wide else "other products"
@@ -76,7 +82,11 @@ def _group(node_type: str, exec_type: str, shapes: list[str], vocab: int | None,
         return "conversions (Reorder)" + (", vocabulary-sized" if wide else "")
     if wide:
         return "vocabulary-sized ops, " + ("float32" if exec_type.endswith("f32") else "bf16")
-    return _kind(node_type, exec_type, name)
+    kind = _kind(node_type, exec_type, name)
+    if kind == "other elementwise ops and reductions" and width is not None and shapes and \
+            shapes[0].endswith(f",{width}]"):
+        return "elementwise at MLP width (GELU grad, bias adds)"
+    return kind
 
 
 #: The rest of the call by the layer a node comes from, read from the exporter's node names (OpenVINO keeps them):
@@ -94,7 +104,8 @@ def _kind(node_type: str, exec_type: str, name: str) -> str:
         return ("Transposes" if node_type == "Transpose" else "other nodes") + " on reference kernels"
     lowered = name.lower()
     for group, words in _LAYERS:
-        if any(w in lowered for w in words) or (node_type in ("MVN", "RMS") and group.startswith("LayerNorm")):
+        if any(w in lowered for w in words) or (node_type in ("MVN", "RMS") and group.startswith("LayerNorm")) \
+                or (node_type == "Gelu" and group.startswith("GELU")):
             return group
     if node_type in ("Transpose", "Reshape", "Concat", "Gather", "StridedSlice", "Broadcast"):
         return "Transposes, Reshapes, Gathers (jit)"
@@ -118,6 +129,7 @@ def profile_nodes(workload: str, calls: int) -> None:
         shapes[op.get_friendly_name()] = [str(op.get_output_partial_shape(i)) for i in range(op.get_output_size())] + \
             [str(i.get_source_output().get_partial_shape()) for i in op.inputs()]
     vocab = VOCAB.get(workload)
+    width = MLP_WIDTH.get(workload)
     groups, nodes, kinds, walls = collections.Counter(), collections.Counter(), {}, []
     for _ in range(calls):
         start = time.perf_counter()
@@ -125,7 +137,8 @@ def profile_nodes(workload: str, calls: int) -> None:
         walls.append(time.perf_counter() - start)
         for info in request.profiling_info:
             ms = info.real_time.total_seconds() * 1000 / calls
-            groups[_group(info.node_type, info.exec_type, shapes.get(info.node_name, []), vocab, info.node_name)] += ms
+            groups[_group(info.node_type, info.exec_type, shapes.get(info.node_name, []), vocab, info.node_name,
+                          width)] += ms
             nodes[info.node_name] += ms
             kinds[info.node_name] = (info.node_type, info.exec_type)
     total = sum(groups.values())
