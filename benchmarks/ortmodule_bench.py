@@ -13,7 +13,8 @@ decided by a run in which every side runs the same AdamW kernel (``--optimizer a
 names which), never by ``ort``, where ORTModule's optimizer differs from eager's.
 
 ``--rounds N`` (N > 1) runs each workload's modes N times in turn (mode A, B, C, then A, B, C again, each in its
-own process), prints each round's medians and ratios as it ends, then each mode's per-round medians and each
+own process), prints each round's medians and ratios as it ends (with the 1-minute load average as each of its
+processes ended), then each mode's per-round medians and each
 ratio's per-round values with their median, and the targets' rows decided by the median of the per-round ratios
 (with how many rounds met them): eager's own median moves 15-25% between quiet rounds, so one run's ratio is one
 draw. N = 1 (the default) prints what it always did.
@@ -170,7 +171,7 @@ def worker(workload: str, mode: str, steps: int, warmup: int, threads: int, opti
     peak = peak_rss_mb()
     return {"workload": workload, "mode": mode, "optimizer": optimizer_kind, "first_s": first, "median_s": statistics.median(times),
             "min_s": min(times), "peak_rss_mb": peak, "first_loss": first_loss, "steps": len(times),
-            "times": times, "ran": ran}
+            "times": times, "ran": ran, "load": os.getloadavg()[0]}  # the 1-minute load average as it ended
 
 
 # -- driver ---------------------------------------------------------------------------------------
@@ -336,7 +337,9 @@ def run_rounds(args) -> list[dict]:
                 against = [f"{v} {name}" for v, name in zip(ratios(r, by_key), ("eager", "compile"))
                            if v != "-" and not r["mode"].startswith(name)]
                 cells.append(f"{r['mode']} {r['median_s'] * 1e3:.1f}ms" + (f" ({', '.join(against)})" if against else ""))
-            print(f"round {k + 1} {workload}: " + "; ".join(cells), flush=True)
+            loads = [r["load"] for r in results if "load" in r]
+            load = f" [load average {min(loads):.1f}-{max(loads):.1f}]" if loads else ""
+            print(f"round {k + 1} {workload}: " + "; ".join(cells) + load, flush=True)
     print()
     print("\n".join(rounds_summary(rounds)))
     return rounds
