@@ -4,6 +4,8 @@
     python benchmarks/mlp_floor.py --threads 1 --clock cpu  # the work alone (one thread's CPU time)
     python benchmarks/mlp_floor.py --threads 1 --clock cpu --alone 3   # also each step in its own process
     MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=268435456 python benchmarks/mlp_floor.py --alone 3
+    python benchmarks/mlp_floor.py --teams                  # torch's OpenMP team in ORTModule's step (below)
+    python benchmarks/mlp_floor.py --end-team               # also ORTModule's steps with the team ended before calls
 
 The workload is ``ortmodule_bench.py``'s MLP (784-1024-1024-10 ReLU, batch 128, ``F.cross_entropy`` in
 torch) under ``torch.autocast("cpu", bfloat16)``, issue 17's 1.3x target. Every part below takes its turn
@@ -34,6 +36,13 @@ freed memory in every process, so that no step pays for page faults.
 The floor of a step is its products plus its optimizer: ``eager step / (products + optimizer)`` is the best
 ratio to eager that any implementation built on these product kernels and this optimizer can reach, with
 nothing else at all in its step (no casts, no activations, no loss, no Python).
+
+``--teams`` looks at torch's OpenMP team (libgomp) beside OpenVINO's threads in ORTModule's step: which torch
+ops of each step open a parallel region (each op runs with the calling thread's team ended before it, and a new
+thread means the op started one), how much CPU its idle worker then spins, and what the torch region right after
+an OpenVINO call costs when the worker was left spinning through the call or ended before it (libgomp's
+``omp_pause_resource_all``: the next region starts a new thread). ``--end-team`` adds ORTModule's steps with
+the team ended before each OpenVINO call to the parts that take turns (what onnxtrain would do if it ended it).
 """
 
 from __future__ import annotations
@@ -186,7 +195,143 @@ def ortmodule_runner(torch, runner, optimizer, loss_fn, calls: dict):
 
 
 STEPS = tuple(f"{side} ({kind})" for kind in OPTIMIZERS for side in ("eager", "ORTModule"))
+ENDED = tuple(f"ORTModule, team ended ({kind})" for kind in OPTIMIZERS)
 PRODUCTS = ("torch products", "OpenVINO products, bf16 inputs", "OpenVINO products, float32 inputs", "eager's casts")
+
+
+def _omp_pause():
+    """libgomp's ``omp_pause_resource_all`` as torch links it (ends the calling thread's team), or None."""
+    import ctypes
+
+    import torch
+
+    try:
+        torch_cpu = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"),
+                                mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        pause = torch_cpu.omp_pause_resource_all
+    except (OSError, AttributeError):
+        return None
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return lambda: pause(1)  # omp_pause_soft
+
+
+_END_TEAM = [False]
+
+
+def _team_ended(run):
+    """``run`` with torch's OpenMP team ended before each of ORTModule's OpenVINO calls."""
+    from onnxtrain.runtime.session import TorchSession
+
+    pause = _omp_pause()
+    if pause is None:
+        raise SystemExit("--end-team: torch does not run on libgomp with omp_pause_resource_all here")
+    if not getattr(TorchSession.run, "_ends_team", False):
+        plain = TorchSession.run
+
+        def ending(self, inputs):
+            if _END_TEAM[0] and self.backend == "openvino":
+                pause()
+            return plain(self, inputs)
+        ending._ends_team = True
+        TorchSession.run = ending
+
+    def ended(clock, into):
+        _END_TEAM[0] = True
+        try:
+            run(clock, into)
+        finally:
+            _END_TEAM[0] = False
+    return ended
+
+
+def _threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+def teams(threads: int, rounds: int) -> None:
+    """``--teams``: which ops of ORTModule's step open torch's OpenMP team; the idle worker's spin; a region
+    right after an OpenVINO call with the worker left or ended before the call (module docstring)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from onnxtrain import ORTModule
+
+    pause = _omp_pause()
+    if pause is None:
+        print("torch does not run on libgomp with omp_pause_resource_all here: nothing to look at")
+        return
+    torch.set_num_threads(threads)
+    phase = [""]
+    opened: dict[tuple, int] = defaultdict(int)
+
+    class Opens(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            pause()
+            before = _threads()
+            out = func(*args, **(kwargs or {}))
+            if _threads() - before:
+                shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+                opened[(phase[0], str(func), shapes)] += 1
+            return out
+
+    base, loss_fn = make_workload("mlp")
+    for kind in OPTIMIZERS:
+        model = copy.deepcopy(base).train()
+        runner = ORTModule(model)
+        optimizer = make_optimizer(model.parameters(), "ortmodule-bf16", kind)
+
+        def step():
+            phase[0] = "zero_grad"
+            optimizer.zero_grad(set_to_none=True)
+            phase[0] = "forward and loss"
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(runner)
+            phase[0] = "backward"
+            loss.backward()
+            phase[0] = "optimizer"
+            optimizer.step()
+        for _ in range(3):
+            step()
+        opened.clear()
+        with Opens():
+            step()
+        print(f"ORTModule's step ({kind}), {threads} threads: the torch ops that open an OpenMP team "
+              f"({sum(opened.values())} ops; an op may run several regions)")
+        for (where, op, shapes), n in opened.items():
+            print(f"  {where:17} {op:40} {n} x  {shapes}")
+    small = torch.randn(BATCH, SIZES[-1])
+
+    def spin():
+        torch.log_softmax(small, 1)
+        time.sleep(0.02)  # the worker is asleep now
+        torch.log_softmax(small, 1)
+        start = time.process_time()
+        time.sleep(0.02)
+        return 1000 * (time.process_time() - start)
+    spins = [spin() for _ in range(rounds)]
+    print(f"\nCPU the process spends in 20 ms of sleep right after one region (log_softmax of [{BATCH}, "
+          f"{SIZES[-1]}]), median of {rounds}: {statistics.median(spins):.2f} ms")
+    call = openvino_products("bfloat16", threads)
+    clock = time.perf_counter
+    samples: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    for _ in range(rounds):
+        for ended in (False, True):
+            torch.log_softmax(small, 1)  # the worker spins
+            if ended:
+                pause()
+            start = clock()
+            call(clock, {})
+            middle = clock()
+            torch.log_softmax(small, 1)
+            samples[ended].append((1000 * (middle - start), 1000 * (clock() - middle)))
+            time.sleep(0.005)
+    print("the eight products as one OpenVINO call right after a torch region, then a region (ms, medians):")
+    for ended, xs in samples.items():
+        label = "worker ended before the call" if ended else "worker left spinning"
+        print(f"  {label:30} call {statistics.median(x[0] for x in xs):.3f}, "
+              f"the region after it {statistics.median(x[1] for x in xs):.3f}")
 
 
 def _faults() -> int:
@@ -210,10 +355,12 @@ def measure(rounds: int, threads: int, clock, names=STEPS + PRODUCTS) -> dict[st
         if side == "eager":
             optimizer = make_optimizer(model.parameters(), "eager-bf16", kind)
             parts[name] = step_runner(torch, model, optimizer, loss_fn)
-        elif side == "ORTModule":
+        elif side.startswith("ORTModule"):
             modules.append(ORTModule(model))
             optimizer = make_optimizer(model.parameters(), "ortmodule-bf16", kind)
             parts[name] = ortmodule_runner(torch, modules[-1], optimizer, loss_fn, calls)
+            if side != "ORTModule":
+                parts[name] = _team_ended(parts[name])
     makers = {"torch products": lambda: torch_products(torch),
               "OpenVINO products, bf16 inputs": lambda: openvino_products("bfloat16", threads),
               "OpenVINO products, float32 inputs": lambda: openvino_products("float", threads),
@@ -282,6 +429,10 @@ def report(m: dict[str, dict[str, float]]) -> None:
               f"optimizer {eager['optimizer']:.2f}); ORTModule step {ort['step']:.2f} "
               f"({eager['step'] / ort['step']:.2f}x eager); {TARGET}x eager leaves {budget:.2f} ms "
               f"beside eager's optimizer")
+        ended = m.get(f"ORTModule, team ended ({kind})")
+        if ended:
+            print(f"    ORTModule with torch's team ended before each call: step {ended['step']:.2f} "
+                  f"({eager['step'] / ended['step']:.2f}x eager)")
         for label, ms in products.items():
             floor = ms + eager["optimizer"]
             print(f"    {label:34} {ms:6.2f}  floor {floor:6.2f}  best ratio {eager['step'] / floor:5.2f}x")
@@ -298,13 +449,20 @@ def main(argv=None) -> int:
                         help="cpu: the process's CPU time (all threads, spinning included) instead of wall time")
     parser.add_argument("--alone", type=int, default=0, metavar="N",
                         help="also run each step in its own process, N processes each (ortmodule_bench.py's way)")
+    parser.add_argument("--teams", action="store_true",
+                        help="torch's OpenMP team in ORTModule's step (module docstring), then exit")
+    parser.add_argument("--end-team", action="store_true",
+                        help="also time ORTModule's steps with torch's team ended before each OpenVINO call")
     parser.add_argument("--child", choices=STEPS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.child:
         print(json.dumps(measure(args.rounds, args.threads, clock, [args.child])[args.child]))
         return 0
-    medians = measure(args.rounds, args.threads, clock)
+    if args.teams:
+        teams(args.threads, args.rounds)
+        return 0
+    medians = measure(args.rounds, args.threads, clock, STEPS + (ENDED if args.end_team else ()) + PRODUCTS)
     print(f"MLP {'-'.join(map(str, SIZES))}, batch {BATCH}, autocast bf16: {args.rounds} rounds, {args.threads} "
           f"thread(s), {args.clock} time, medians (ms); each part in turn in this process")
     _table(medians)

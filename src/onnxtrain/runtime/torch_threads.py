@@ -14,7 +14,10 @@ which ``at::get_num_threads()`` reads: other threads and torch's own setting are
 elementwise or add rows in index order (AdamW's kernel, ``index_add_``, fills, scales), whose results do not
 depend on how the elements are split among threads. Ending the
 team instead (OpenMP 5's ``omp_pause_resource_all``) was measured and not kept: the next parallel region creates
-its threads again, and a new thread waited 4-8 ms for a core when both were busy.
+its threads again, and a new thread waited 4-8 ms for a core when both were busy. Nor is the team the user's own
+ops leave (the MLP's ``F.cross_entropy`` and its backward, ``torch.optim.AdamW``'s loop) ended before each graph
+call: the user's first region after the call then waits for its new thread behind OpenVINO's spinning worker
+(about 2 ms), and the MLP's step was slower (docs/precision.md, twenty-first session).
 
 Only libgomp is driven: its functions are looked up through ``libtorch_cpu`` (the runtime torch calls) and must
 lie in a file named ``libgomp*`` (``/proc/self/maps``). Anywhere else (another OpenMP runtime, torch's native
