@@ -241,7 +241,10 @@ def target_rows(by_key: dict) -> list[str]:
         if "median_s" not in ours or "median_s" not in theirs:
             continue
         ratio = theirs["median_s"] / ours["median_s"]
-        note = "" if ours.get("ran") == [["openvino", "bf16"]] else f"  (ORTModule ran {ours.get('ran')}, not OpenVINO bf16)"
+        note = ("" if ours.get("ran") == [["openvino", "bf16"]]
+                else "  (OpenVINO at f32, products bf16 but attention's: eager's attention was float32)"
+                if ours.get("ran") == [["openvino", "bf16-products"]]
+                else f"  (ORTModule ran {ours.get('ran')}, not OpenVINO bf16)")
         ran = ours.get("optimizer", "adamw")
         if ran not in SAME_OPTIMIZER:  # the optimizers differ: printed, but it decides nothing
             verdict = "(decides nothing: ORTModule's optimizer is not eager's)"

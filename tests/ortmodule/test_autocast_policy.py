@@ -19,6 +19,8 @@ import torch
 
 from onnxtrain import ORTModule
 from onnxtrain.ortmodule import module as ortmodule_module
+from onnxtrain.ortmodule.graphs import PRODUCTS_BF16
+from onnxtrain.ortmodule.options import ATTENTION_FLOAT32_ENV
 from onnxtrain.runtime import backends
 
 bf16_runs = pytest.mark.skipif(not (backends.openvino_installed() and backends.openvino_has_bf16()),
@@ -120,24 +122,54 @@ def test_products_autocast_does_not_lower_fall_back_with_the_reason(kind, dtype,
 
 
 class _Attention(torch.nn.Module):
-    def __init__(self, p: float):
+    """One attention call per entry of ``ps`` (its dropout_p), their outputs summed."""
+
+    def __init__(self, *ps: float):
         super().__init__()
-        self.p = p
+        self.ps = ps
         self.qkv = torch.nn.Linear(16, 48)
 
     def forward(self, x):
         q, k, v = self.qkv(x).view(*x.shape[:2], 3, 2, 8).permute(2, 0, 3, 1, 4)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.p).float().sum(1)
+        return sum(torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p).float().sum(1)
+                   for p in self.ps)
 
 
 @bf16_runs
-def test_attention_eager_computes_in_float32_falls_back_saying_what_runs_it_in_bf16(monkeypatch):
+def test_attention_eager_computes_in_float32_runs_its_products_in_float32(monkeypatch):
     """PyTorch's CPU kernel for attention with dropout_p > 0 (its math kernel) computes in float32 from the bfloat16
-    q, k, v under autocast; with dropout_p = 0 (its flash kernel) in bfloat16, which the graphs follow."""
+    q, k, v under autocast; with ONNXTRAIN_BF16_ATTENTION_FLOAT32=1 the graphs follow it in PRODUCTS_BF16 (before:
+    a fallback). Same dropout masks (the seed), gradients within 2x eager autocast's error against float64."""
     monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    monkeypatch.setenv(ATTENTION_FLOAT32_ENV, "1")
+    torch.manual_seed(0)
+    reference, x = _Attention(0.1), torch.randn(4, 8, 16)
+    model = ORTModule(copy.deepcopy(reference))
+    torch.manual_seed(1)
+    out, grads = _step(model, x, torch.bfloat16)
+    assert model.fallback_reason is None, model.fallback_reason
+    assert [g.precision for entries in model._cache.values() for g in entries] == [PRODUCTS_BF16]
+    torch.manual_seed(1)
+    eager_out, eager = _step(copy.deepcopy(reference), x, torch.bfloat16)
+    torch.manual_seed(1)
+    with torch.autocast("cpu", enabled=False):
+        exact_out, exact = _step(copy.deepcopy(reference).double(), x.double(), torch.bfloat16)
+    assert out.dtype == eager_out.dtype
+    assert _rel(out, exact_out) <= 2 * _rel(eager_out, exact_out)
+    _near_autocast(grads, eager, exact)
+
+
+@bf16_runs
+@pytest.mark.parametrize("opted_in", [False, True])
+def test_attention_eager_computes_in_float32_falls_back_saying_what_runs_it_in_bf16(opted_in, monkeypatch):
+    """By default an attention with dropout (the math kernel: float32) falls back with the reason; with
+    ONNXTRAIN_BF16_ATTENTION_FLOAT32=1, one with dropout beside one without (its flash kernel: bfloat16, as the
+    graphs' hint runs it) still does: no one precision of the graphs follows both."""
+    monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
+    monkeypatch.setenv(ATTENTION_FLOAT32_ENV, "1" if opted_in else "0")
     torch.manual_seed(0)
     x = torch.randn(4, 8, 16)
-    model = ORTModule(_Attention(0.1))
+    model = ORTModule(_Attention(0.1, 0.0) if opted_in else _Attention(0.1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _step(model, x, torch.bfloat16)
@@ -151,6 +183,7 @@ def test_attention_eager_computes_in_float32_falls_back_saying_what_runs_it_in_b
     model = ORTModule(_Attention(0.0))
     out, _ = _step(model, x, torch.bfloat16)
     assert model.fallback_reason is None
+    assert [g.precision for entries in model._cache.values() for g in entries] == ["bf16"]  # the hint, faster
     eager_out, _ = _step(_Attention(0.0), x, torch.bfloat16)
     assert out.dtype == eager_out.dtype
 

@@ -39,6 +39,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from onnxtrain import ORTModule  # noqa: E402
+from onnxtrain.ortmodule.graphs import PRODUCTS_BF16  # noqa: E402
 from onnxtrain.runtime import backends  # noqa: E402
 
 from .test_families import FALLS_BACK as FLOAT32_FALLS_BACK  # noqa: E402
@@ -58,10 +59,6 @@ FLOOR = 1e-3  # error differences below this (relative to that scale) are roundi
 #: family -> what its fallback reason must say (a regular expression), under autocast bf16
 FALLS_BACK = {
     **FLOAT32_FALLS_BACK,
-    # its attention's products run float32 in eager (torch 2.13: scaled_dot_product_attention's math kernel on
-    # CPU); the graph's would be bfloat16 on OpenVINO. On torch 2.15 Falcon's do not, and it runs (below).
-    "falcon": r"scaled_dot_product_attention computes in torch.float32 under autocast \(PyTorch's cpu math kernel\)",
-    "swin": r"scaled_dot_product_attention computes in torch.float32 under autocast \(PyTorch's cpu math kernel\)",
     # its experts' grouped matmul runs float32 in eager (the input cast to the float32 weights' type); bf16 on
     # OpenVINO their gradients were 20x further from float64 than eager autocast's (down_proj). torch 2.13 has
     # no fake kernel for it in float32, so the products cannot be checked at all there.
@@ -74,12 +71,20 @@ FALLS_BACK = {
 ON_OPENVINO = {"resnet", "vit", "convnext", "mbart"}
 
 #: families that fall back on torch older than the given version only (measured on 2.13 and 2.15)
-FALLS_BACK_BEFORE = {"falcon": (2, 15)}
+FALLS_BACK_BEFORE: dict[str, tuple[int, int]] = {}
+
+#: families whose attention eager computes in float32 (torch 2.13: scaled_dot_product_attention's math kernel on
+#: CPU, with dropout 0 too): the products in the graph, attention's float32, on OpenVINO at its float32 hint
+#: (PRODUCTS_BF16; before, they fell back). On torch 2.15 Falcon's takes the bf16 kernel, and runs on the hint.
+ATTENTION_FLOAT32 = {"falcon", "swin"}
 
 
-def _gradients(model, batch, bf16: bool, double: bool = False):
+def _gradients(model, batch, bf16: bool, double: bool = False, seed: int | None = None):
+    """``seed``: torch's, set before the forward (the same dropout masks for each side)."""
     if double:
         batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+    if seed is not None:
+        torch.manual_seed(seed)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         loss = model(**batch).loss
     loss.backward()
@@ -98,17 +103,31 @@ def _reference(model):
 
 
 def _errors(family):
-    """{parameter: (ORTModule's error, eager autocast's)} per gradient, the overall pair, and the losses."""
+    """{parameter: [ORTModule's squared error, eager autocast's, float64's squared norm]} and the losses."""
     model = _model(family)
-    ort, reference = ORTModule(copy.deepcopy(model)), _reference(model)
-    sq = {}  # name -> [ORTModule's squared error, eager's, float64's squared norm], summed over the batches
+    ort = ORTModule(copy.deepcopy(model))
+    sq, losses = errors_against_float64(ort, model, [_batch(model, seed) for seed in range(BATCHES)])
+    ran = [(g.backend, g.precision) for entries in ort._cache.values() for g in entries]
+    allowed = {"bf16", PRODUCTS_BF16} if family in ATTENTION_FLOAT32 else {"bf16"}
+    assert len(ran) == 1 and ran[0][0] == "openvino" and ran[0][1] in allowed, ran
+    if family in ON_OPENVINO:
+        assert _sessions(ort) == {"OpenVINOSession"}
+    return sq, losses
+
+
+def errors_against_float64(ort, model, batches, seeds=None):
+    """({parameter: [ORTModule's squared error, eager autocast's, float64's squared norm], summed over the
+    batches}, [(ORTModule's loss, eager autocast's, float64's) per batch]); ``seeds``: torch's seed before each
+    side's forward of each batch (dropout: the same masks for all three)."""
+    reference = _reference(model)
+    sq = {}
     losses = []
-    for seed in range(BATCHES):
-        batch = _batch(model, seed)
-        ort_loss, ort_grads = _gradients(ort, batch, bf16=True)
-        eager_loss, eager_grads = _gradients(model, batch, bf16=True)
+    for k, batch in enumerate(batches):
+        seed = None if seeds is None else seeds[k]
+        ort_loss, ort_grads = _gradients(ort, batch, bf16=True, seed=seed)
+        eager_loss, eager_grads = _gradients(model, batch, bf16=True, seed=seed)
         with torch.autocast("cpu", enabled=False):
-            exact_loss, exact = _gradients(reference, batch, bf16=False, double=True)
+            exact_loss, exact = _gradients(reference, batch, bf16=False, double=True, seed=seed)
         assert set(ort_grads) == set(exact), f"gradients of {sorted(set(ort_grads) ^ set(exact))}"
         losses.append((ort_loss, eager_loss, exact_loss))
         for name, want in exact.items():
@@ -116,9 +135,6 @@ def _errors(family):
             acc[0] += float((ort_grads[name] - want).square().sum())
             acc[1] += float((eager_grads[name] - want).square().sum())
             acc[2] += float(want.square().sum())
-    assert [(g.backend, g.precision) for entries in ort._cache.values() for g in entries] == [("openvino", "bf16")]
-    if family in ON_OPENVINO:
-        assert _sessions(ort) == {"OpenVINOSession"}
     return sq, losses
 
 
@@ -137,11 +153,16 @@ def test_family_under_autocast_bf16_is_as_close_to_float64_as_eager_autocast(fam
         assert any("falls back to PyTorch" in str(w.message) for w in caught)
         return
     sq, losses = _errors(family)
+    assert_as_close_as_eager(family, sq, losses)
+
+
+def assert_as_close_as_eager(name, sq, losses):
+    """The bounds (the module's doc) on :func:`errors_against_float64`'s measures; prints the report line."""
     for step, (ort_loss, eager_loss, exact_loss) in enumerate(losses):
         assert abs(ort_loss - exact_loss) <= max(2 * abs(eager_loss - exact_loss), 1e-3 * abs(exact_loss)), \
             f"batch {step}: loss {ort_loss} against float64 {exact_loss}, eager autocast {eager_loss}"
     largest = max(math.sqrt(norm) for _, _, norm in sq.values())
-    _report(family, sq, losses, largest)
+    _report(name, sq, losses, largest)
     for name, (ort_sq, eager_sq, norm) in sq.items():
         scale = max(math.sqrt(norm), SCALE_FLOOR * largest)
         ort_err, eager_err = math.sqrt(ort_sq) / scale, math.sqrt(eager_sq) / scale

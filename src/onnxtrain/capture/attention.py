@@ -58,6 +58,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     return op.Mul(out, row_valid) if row_valid is not None else out
 
 
+def from_attention(node: ir.Node) -> bool:
+    """Whether ``node`` is one of this translation's nodes: the exporter records each node's torch op as the last
+    part of its ``namespace`` (``.../scaled_dot_product_attention: aten.scaled_dot_product_attention.default``)."""
+    origin = node.metadata_props.get("namespace", "").rsplit(": ", 1)[-1]
+    return origin.startswith("aten.scaled_dot_product_attention.")
+
+
 def _masked(dtype: ir.DataType):
     """The bias of a masked score: half the lowest finite value, so that adding a negative score cannot
     overflow to -inf (float16: -32752 + scores down to -32752), and Softmax never sees a row of -inf."""

@@ -33,8 +33,8 @@ from onnxtrain.ortmodule.options import FUSED_STEP_ENV, TORCH_DROPOUT_ENV, MIN_S
 from onnxtrain.passes import Split, pipeline, split_forward_backward
 from onnxtrain.passes.cast_outputs import cast_outputs
 from onnxtrain.passes.defer_row_scatters import RowScatters, defer_row_scatters
-from onnxtrain.passes.dropout_masks import Mask, draw_order, draws_nothing, dropout_masks
-from onnxtrain.passes.precision import apply_precision
+from onnxtrain.passes.dropout_masks import RANDOM_OPS, Mask, draw_order, draws_nothing, dropout_masks
+from onnxtrain.passes.precision import apply_precision, float32_accumulations
 from onnxtrain.passes.recompute import Plan as RecomputePlan
 from onnxtrain.passes.recompute import Recompute, dims_from_inputs
 from onnxtrain.passes.stage_graph import CannotStage, one_stage, stage_graph
@@ -47,9 +47,10 @@ from onnxtrain.utils.io import save_model_atomic
 from onnxtrain.utils.ort_options import forward_without_arena, release_step_memory
 
 logger = logging.getLogger("onnxtrain.ortmodule")
-
-RANDOM_OPS = frozenset({"Dropout", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
-                        "Bernoulli", "Multinomial"})
+# Autocast bf16 with the products lowered in the graph itself (passes.precision) and OpenVINO at its float32
+# hint: where eager computes attention in float32 (PyTorch's math kernel, taken with dropout_p > 0), its nodes
+# stay float32 (capture.attention.from_attention), the rest of the graph as the precision pass leaves it.
+PRODUCTS_BF16 = "bf16-products"
 
 
 @dataclass
@@ -199,10 +200,21 @@ class SchemaGraphs:
         precision = self.precision
         if precision == "fp16":  # float16 products in the graph itself (passes.precision), run as it is
             proto, precision = apply_precision(proto, "fp16"), "fp32"
+        elif precision == PRODUCTS_BF16:  # lowered in the base graph (lower_products): OpenVINO's float32 hint
+            precision = "fp32"
         options = session_options(log_severity=self.log_severity, arena=arena)
         if in_node_order:
             options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
         return TorchSession(proto, self.device, options, self.backend, precision)
+
+
+def lower_products(graphs: SchemaGraphs) -> None:
+    """Under :data:`PRODUCTS_BF16`: the base graph's products in bfloat16 but attention's, before autodiff, so each
+    gradient product takes its forward product's type (the ``Cast`` rule): a linear layer's in bfloat16, as
+    autocast's, attention's in float32, as PyTorch's math kernel computes its backward."""
+    from onnxtrain.capture.attention import from_attention  # imports onnxscript: only where the export ran here
+
+    graphs.base = apply_precision(graphs.base, "bf16", keep=from_attention)
 
 
 class RandomDrawsError(RuntimeError):
@@ -272,6 +284,8 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
         add_gradient_outputs(model, [inputs[i] for i in wrt], targets, seeds, names=bases)
     training_passes = pipeline.ortmodule_training(num_forward_outputs, recompute, dims, pipeline.presaved(before))
     model = training_passes(model)
+    if graphs.precision == PRODUCTS_BF16:  # weight gradients: float32 from the values the forward cast down
+        model = ir.from_proto(float32_accumulations(ir.to_proto(model)))
     if save is not None:
         save(model, "training")
     if graphs.backend == "openvino":  # what OpenVINO cannot compile: rewritten, else refused before any call

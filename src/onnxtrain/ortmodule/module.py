@@ -13,7 +13,9 @@ dynamic and never cause a new export.
 Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` the float32 graphs run on OpenVINO with its bfloat16
 precision hint (onnxtrain.runtime.backends; without the ``openvino`` package or a CPU with bfloat16, a
 warning once and float32). Each output has the dtype eager autocast gives it (bfloat16 logits, a float32 loss),
-asked of PyTorch on fake tensors at export (onnxtrain.capture.autocast_dtypes) and cast inside the graph. Under
+asked of PyTorch on fake tensors at export (onnxtrain.capture.autocast_dtypes) and cast inside the graph. Where
+eager computes the attention in float32 (sdpa's math kernel, taken with dropout), the graphs run in
+``graphs.PRODUCTS_BF16`` instead: products in bf16 in the graph, attention float32, OpenVINO at its f32 hint. Under
 ``torch.autocast("cpu", dtype=torch.float16)`` the graphs' matmul-class products run in float16
 (onnxtrain.passes.precision) on onnxruntime; with ``torch.amp.GradScaler`` the scaled loss's gradient flows
 in and inf/NaN gradients reach the scaler. CUDA autocast is not supported yet: a warning once, and the graphs
@@ -36,8 +38,8 @@ from onnxtrain.capture.quiet import summary
 from onnxtrain.capture.structure import structure
 from onnxtrain.ortmodule import distributed, export_process, guards
 from onnxtrain.ortmodule.function import ORTFunction, reseed
-from onnxtrain.ortmodule.graphs import Saver, SchemaGraphs, build_training, prepare
-from onnxtrain.ortmodule.options import FALLBACK_ENV, DebugOptions, torch_dropout
+from onnxtrain.ortmodule.graphs import PRODUCTS_BF16, Saver, SchemaGraphs, build_training, lower_products, prepare
+from onnxtrain.ortmodule.options import FALLBACK_ENV, DebugOptions, attention_float32, torch_dropout
 from onnxtrain.ortmodule.verify import VerificationError, first_difference
 from onnxtrain.runtime import backends
 from onnxtrain.utils.gc import young_objects_only
@@ -218,8 +220,8 @@ class ORTModule(torch.nn.Module):
         backend, precision = _backend_for(self._backend, device)
         captured, read = retraced if retraced is not None else self._capture(args, kwargs, device)
         self._export_count += 1
-        casts = (_output_casts(self.module, args, kwargs, captured, device.type, precision)
-                 if torch.is_autocast_enabled(device.type) else {})
+        casts, precision = (_output_casts(self.module, args, kwargs, captured, device.type, precision)
+                            if torch.is_autocast_enabled(device.type) else ({}, precision))
         backend = _float64_backend(self.module, captured, backend, precision)
         state_names = [n for n in self._state_names() if n in captured.model.graph.initializers]
         traced = structure(captured.model, set(state_names)) if read.changed_by_export else None
@@ -232,6 +234,8 @@ class ORTModule(torch.nn.Module):
         graphs.saver = saver
         graphs.guards, graphs.traced = read, traced
         graphs.backend, graphs.precision = backend, precision
+        if precision == PRODUCTS_BF16:
+            lower_products(graphs)
         graphs.output_casts = casts
         if saver is not None:
             saver(graphs.base, "inference")
@@ -474,12 +478,13 @@ def _autocast_state() -> tuple:
 
 
 def _output_casts(module: torch.nn.Module, args, kwargs, captured, kind: str,
-                  precision: str) -> dict[int, ir.DataType]:
-    """{user output position: dtype} for the float32 graph outputs that eager autocast returns in bfloat16 or
-    float16 (:mod:`onnxtrain.capture.autocast_dtypes`, asked under the caller's autocast state). Where eager's
-    dtypes cannot be known, none: the outputs stay float32, with a warning once per module class. Raises
-    :class:`AutocastPolicyError` where the graphs would not compute what eager does: a product eager runs in
-    another type than the one ``precision`` lowers it to, or a branch on the autocast state."""
+                  precision: str) -> tuple[dict[int, ir.DataType], str]:
+    """({user output position: dtype} for the float32 graph outputs that eager autocast returns in bfloat16 or
+    float16 (:mod:`onnxtrain.capture.autocast_dtypes`, asked under the caller's autocast state), the precision
+    the graphs run in (:func:`_check_policy`)). Where eager's dtypes cannot be known, no casts: the outputs stay
+    float32, with a warning once per module class. Raises :class:`AutocastPolicyError` where the graphs would not
+    compute what eager does: a product eager runs in another type than the one ``precision`` lowers it to, or a
+    branch on the autocast state."""
     try:
         with _no_side_effects(module):
             run = autocast_run(module, args, kwargs)
@@ -490,11 +495,11 @@ def _output_casts(module: torch.nn.Module, args, kwargs, captured, kind: str,
                 f"under torch.autocast({kind!r}, dtype=torch.bfloat16) {type(module).__name__}'s products cannot "
                 f"be checked against autocast's types ({reason}), and the bf16 graphs lower them all") from exc
     else:
-        _check_policy(module, run, kind, precision)
+        precision = _check_policy(module, run, kind, precision)
         if len(run.dtypes) == captured.num_outputs:
             outputs = captured.model.graph.outputs
             return {k: _LOW[dtype] for k, dtype in enumerate(run.dtypes)
-                    if dtype in _LOW and outputs[k].dtype == ir.DataType.FLOAT}
+                    if dtype in _LOW and outputs[k].dtype == ir.DataType.FLOAT}, precision
         reason = f"it returned {len(run.dtypes)} tensors there and {captured.num_outputs} when exported"
     key = ("dtypes", type(module).__name__)
     if key not in _warned_autocast:
@@ -503,7 +508,7 @@ def _output_casts(module: torch.nn.Module, args, kwargs, captured, kind: str,
                       f"eager may return bfloat16 or float16, and does not check that eager runs every product in "
                       f"autocast's type (the graphs lower them all): the forward is unknown there, {reason}",
                       RuntimeWarning, stacklevel=5)
-    return {}
+    return {}, precision
 
 
 class AutocastPolicyError(RuntimeError):
@@ -516,16 +521,24 @@ _LOWERED = {"bf16": frozenset({torch.float32, torch.float64, torch.float16}),
             "fp16": frozenset({torch.float32, torch.bfloat16})}
 
 
-def _check_policy(module: torch.nn.Module, run, kind: str, precision: str) -> None:
+def _check_policy(module: torch.nn.Module, run, kind: str, precision: str) -> str:
+    """The precision the graphs run in under autocast: ``precision``, or :data:`graphs.PRODUCTS_BF16` where eager
+    computes every attention in float32 (PyTorch's math kernel) and OpenVINO's bf16 hint would lower it. Raises
+    :class:`AutocastPolicyError` where no precision of the graphs follows eager's."""
     name = type(module).__name__
     if run.reads:
         raise AutocastPolicyError(
             f"{name}'s forward reads the autocast state, {run.reads[0]}, which the float32 graph, traced with "
             "autocast off, sees as False: it would hold the branch eager does not take")
     if precision not in _LOWERED:  # float32 graphs (autocast not run, with a warning): products stay float32
-        return
+        return precision
     low = torch.get_autocast_dtype(kind)
     attention = sorted((d for d in run.attention if d != low and d in _LOWERED[precision]), key=str)
+    mode = precision
+    if precision == "bf16" and attention == [torch.float32] and low not in run.attention and attention_float32():
+        # Every attention call computes in float32: the products in the graph (bf16) but attention's, whose nodes
+        # are known (capture.attention), at OpenVINO's float32 hint; the other products are checked below
+        mode, attention = PRODUCTS_BF16, []
     if attention:  # PyTorch's choice of kernel, not the model's code: say what runs attention in autocast's type
         # The math kernel is PyTorch's choice: with dropout_p > 0 always; without, where its fused kernels do
         # not take the call (on torch 2.13, Falcon's and Swin's attention with dropout 0)
@@ -543,6 +556,7 @@ def _check_policy(module: torch.nn.Module, run, kind: str, precision: str) -> No
             f"products that autocast does not lower ({', '.join(off[:3])}: an autocast(enabled=False) region, "
             "custom_fwd(cast_inputs=...), a float64 tensor or an op autocast keeps float32), which the "
             f"{precision} graphs would run in {precision}")
+    return mode
 
 
 _LOW = {torch.bfloat16: ir.DataType.BFLOAT16, torch.float16: ir.DataType.FLOAT16}
@@ -573,7 +587,7 @@ def _float64_backend(module: torch.nn.Module, captured, backend: str, precision:
     if backend != "openvino" or not any(v.dtype == ir.DataType.DOUBLE for v in (*graph.inputs, *graph.outputs)):
         return backend
     name = type(module).__name__
-    if precision == "bf16":
+    if precision in ("bf16", PRODUCTS_BF16):
         raise AutocastPolicyError(f"{name}'s graph has float64 tensors, which eager keeps float64 under autocast "
                                   "and OpenVINO computes in float32 or bfloat16")
     if ("float64", name) not in _warned_autocast:

@@ -54,6 +54,7 @@ RECOMPUTE_BACKWARD_STAGES = 8
 MIN_STAGE_BYTES = 4 << 20
 FUSED_STEP_ENV = "ONNXTRAIN_FUSED_STEP"
 TORCH_DROPOUT_ENV = "ONNXTRAIN_TORCH_DROPOUT"
+ATTENTION_FLOAT32_ENV = "ONNXTRAIN_BF16_ATTENTION_FLOAT32"
 _FALSE = {"0", "false", "no", "off"}
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -134,6 +135,14 @@ def torch_dropout() -> bool:
     no training-mode ``Dropout``, always gets the masks from torch)."""
     return _env_switch(TORCH_DROPOUT_ENV, True, "use 1 (dropout masks drawn by torch, eager's; the default) or 0 "
                                                 "(onnxruntime's Dropout, on the onnxruntime backend)")
+
+
+def attention_float32() -> bool:
+    """``$ONNXTRAIN_BF16_ATTENTION_FLOAT32``, else on: under autocast bf16, a forward whose attention eager computes
+    in float32 (PyTorch's math kernel, taken with dropout_p > 0) runs the graphs in ``graphs.PRODUCTS_BF16``; 0
+    falls back to PyTorch there, as before (docs/precision.md)."""
+    return _env_switch(ATTENTION_FLOAT32_ENV, True, "use 1 (the products in bf16, attention float32, OpenVINO at "
+                                                    "f32; the default) or 0 (fall back to PyTorch)")
 
 
 @dataclass

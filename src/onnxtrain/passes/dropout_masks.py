@@ -42,6 +42,10 @@ import onnx_ir.passes.common
 from onnxtrain.passes.rewrite import free_name
 
 _DOMAINS = ("", "ai.onnx")
+# The ONNX ops that draw random numbers: ORTModule refuses a graph that still has one after the masks
+# (ortmodule.graphs.RandomDrawsError), and recomputation never redoes one (passes.recompute).
+RANDOM_OPS = frozenset({"Dropout", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
+                        "Bernoulli", "Multinomial"})
 _NUMPY = {ir.DataType.FLOAT: np.float32, ir.DataType.DOUBLE: np.float64, ir.DataType.FLOAT16: np.float16}
 
 

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
+from onnxtrain.passes.dropout_masks import RANDOM_OPS
 from onnxtrain.passes.liveness import ALIAS_OPS
 from onnxtrain.passes.peak import PeakModel
 from onnxtrain.passes.split_forward_backward import ancestors
@@ -98,8 +99,6 @@ DEFAULT_KINDS = KINDS
 _OPS = {"pointwise": POINTWISE, "transcendental": TRANSCENDENTAL, "matmul": MATMUL}
 _ELEMENT_COST = {"pointwise": 1.0, "transcendental": 4.0}
 SHAPE_OPS = frozenset({"Shape", "Size"})  # the split moves these into forward: their readers stay
-RANDOM_OPS = frozenset({"Dropout", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
-                        "Bernoulli", "Multinomial"})
 
 
 @dataclass(frozen=True)
