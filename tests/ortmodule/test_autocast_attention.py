@@ -2,14 +2,13 @@
 
 With ``dropout_p > 0`` (the configs' default attention dropout, 0.1, in training) PyTorch's sdpa takes its CPU math
 kernel, which computes both products, the mask's add, the softmax, the dropout and their backward in float32 from
-the bfloat16 q, k, v. OpenVINO's bf16 hint would run them in bfloat16, so such a model falls back to PyTorch. With
-``ONNXTRAIN_BF16_ATTENTION_FLOAT32=1`` the graphs run in ``PRODUCTS_BF16`` instead: the precision pass lowers the other products before autodiff (their
-gradients' products follow), attention's nodes stay float32, and OpenVINO runs at its float32 hint
-(docs/precision.md). Checked here against eager autocast with the same dropout masks and against float64 PyTorch,
-with the families tier's bounds, and on the compiled models' runtime precision. Opt-in, not the default: every
-weight gradient comes out 1.6-1.9x further from float64 than eager autocast's (OpenVINO's bf16 product over a
-dynamic row count at its float32 hint is 2x one rounding's error), within these bounds for BERT and GPT-2 but not for
-Falcon (1.66x overall; docs/precision.md).
+the bfloat16 q, k, v, where OpenVINO's bf16 hint would run them in bfloat16. The graphs run in ``PRODUCTS_BF16``
+there (the default; ``ONNXTRAIN_BF16_ATTENTION_FLOAT32=0`` falls back to PyTorch as before): the precision pass
+lowers the other products before autodiff (their gradients' products follow), attention's nodes stay float32, the
+weight gradients are computed in float32 from the values the forward cast down (OpenVINO's bf16 product over a
+dynamic row count at its float32 hint is 2x one rounding's error: ``passes.precision.float32_accumulations``), and
+OpenVINO runs at its float32 hint (docs/precision.md). Checked here against eager autocast with the same dropout
+masks and against float64 PyTorch, with the families tier's bounds, and on the compiled models' runtime precision.
 """
 
 from __future__ import annotations
