@@ -2,8 +2,8 @@
 
 With ``dropout_p > 0`` (the configs' default attention dropout, 0.1, in training) PyTorch's sdpa takes its CPU math
 kernel, which computes both products, the mask's add, the softmax, the dropout and their backward in float32 from
-the bfloat16 q, k, v, where OpenVINO's bf16 hint would run them in bfloat16. The graphs run in ``PRODUCTS_BF16``
-there (the default; ``ONNXTRAIN_BF16_ATTENTION_FLOAT32=0`` falls back to PyTorch as before): the precision pass
+the bfloat16 q, k, v, where OpenVINO's bf16 hint would run them in bfloat16. With ``ONNXTRAIN_BF16_ATTENTION_FLOAT32=1`` the graphs run
+in ``PRODUCTS_BF16`` there (by default ORTModule falls back to PyTorch, as before): the precision pass
 lowers the other products before autodiff (their gradients' products follow), attention's nodes stay float32, the
 weight gradients are computed in float32 from the values the forward cast down (OpenVINO's bf16 product over a
 dynamic row count at its float32 hint is 2x one rounding's error: ``passes.precision.float32_accumulations``), and

@@ -177,6 +177,8 @@ def test_attention_eager_computes_in_float32_falls_back_saying_what_runs_it_in_b
     assert reason is not None and "scaled_dot_product_attention computes in" in reason and "test_autocast_policy.py:" in reason
     assert 'attn_implementation="eager"' in reason and "torch.float32" in reason
     assert "taken with dropout_p > 0" in reason and "attention dropout 0 or" in reason  # the cause, this model's
+    # the opt-in named where it would apply (every attention float32), not beside a bf16 one
+    assert ("ONNXTRAIN_BF16_ATTENTION_FLOAT32=1 runs it on the graphs" in reason) is (not opted_in)
     (warning,) = [w for w in caught if "falls back to PyTorch" in str(w.message)]
     assert 'attn_implementation="eager"' in str(warning.message)  # within the warning's one line
 

@@ -14,8 +14,9 @@ Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` the float32 graphs run on 
 precision hint (onnxtrain.runtime.backends; without the ``openvino`` package or a CPU with bfloat16, a
 warning once and float32). Each output has the dtype eager autocast gives it (bfloat16 logits, a float32 loss),
 asked of PyTorch on fake tensors at export (onnxtrain.capture.autocast_dtypes) and cast inside the graph. Where
-eager computes the attention in float32 (sdpa's math kernel, taken with dropout), the graphs run in
-``graphs.PRODUCTS_BF16`` instead: products in bf16 in the graph, attention float32, OpenVINO at its f32 hint. Under
+eager computes the attention in float32 (sdpa's math kernel, taken with dropout), ORTModule falls back, or with
+``ONNXTRAIN_BF16_ATTENTION_FLOAT32=1`` runs the graphs in ``graphs.PRODUCTS_BF16``: products in bf16 in the graph,
+attention float32, OpenVINO at its f32 hint. Under
 ``torch.autocast("cpu", dtype=torch.float16)`` the graphs' matmul-class products run in float16
 (onnxtrain.passes.precision) on onnxruntime; with ``torch.amp.GradScaler`` the scaled loss's gradient flows
 in and inf/NaN gradients reach the scaler. CUDA autocast is not supported yet: a warning once, and the graphs
@@ -523,7 +524,8 @@ _LOWERED = {"bf16": frozenset({torch.float32, torch.float64, torch.float16}),
 
 def _check_policy(module: torch.nn.Module, run, kind: str, precision: str) -> str:
     """The precision the graphs run in under autocast: ``precision``, or :data:`graphs.PRODUCTS_BF16` where eager
-    computes every attention in float32 (PyTorch's math kernel) and OpenVINO's bf16 hint would lower it. Raises
+    computes every attention in float32 (PyTorch's math kernel), OpenVINO's bf16 hint would lower it, and
+    ``$ONNXTRAIN_BF16_ATTENTION_FLOAT32`` asks for it (:func:`options.attention_float32`). Raises
     :class:`AutocastPolicyError` where no precision of the graphs follows eager's."""
     name = type(module).__name__
     if run.reads:
@@ -535,7 +537,8 @@ def _check_policy(module: torch.nn.Module, run, kind: str, precision: str) -> st
     low = torch.get_autocast_dtype(kind)
     attention = sorted((d for d in run.attention if d != low and d in _LOWERED[precision]), key=str)
     mode = precision
-    if precision == "bf16" and attention == [torch.float32] and low not in run.attention and attention_float32():
+    eligible = precision == "bf16" and attention == [torch.float32] and low not in run.attention
+    if eligible and attention_float32():
         # Every attention call computes in float32: the products in the graph (bf16) but attention's, whose nodes
         # are known (capture.attention), at OpenVINO's float32 hint; the other products are checked below
         mode, attention = PRODUCTS_BF16, []
@@ -548,7 +551,8 @@ def _check_policy(module: torch.nn.Module, run, kind: str, precision: str) -> st
             f"scaled_dot_product_attention computes in {', '.join(map(str, attention))} under autocast (PyTorch's "
             f"{kind} math kernel{cause}) where the {precision} graphs would compute in {precision}; "
             f"{remedy}attn_implementation=\"eager\" (Hugging Face) runs it in {low}"
-            + (f" (at {run.attention_site})" if run.attention_site else ""))
+            + (f" (at {run.attention_site})" if run.attention_site else "")
+            + ("; ONNXTRAIN_BF16_ATTENTION_FLOAT32=1 runs it on the graphs, attention float32" if eligible else ""))
     off = run.off_policy(low, _LOWERED[precision])
     if off:
         raise AutocastPolicyError(
