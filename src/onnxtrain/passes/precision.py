@@ -190,15 +190,19 @@ def _float32_sources(node: ir.Node) -> list | None:
     return found
 
 
+def _layouts_on(graph: ir.Graph, chain: list[ir.Node], value: ir.Value, before: ir.Node) -> ir.Value:
+    """The layout nodes of ``chain`` again, in order, on the float32 ``value`` (inserted before ``before``): the
+    last one's float32 output."""
+    for layout in chain:
+        out = ir.Value(name=f"{layout.outputs[0].name}_float32", type=ir.TensorType(ir.DataType.FLOAT))
+        graph.insert_before(before, ir.Node("", layout.op_type, [value, *layout.inputs[1:]],
+                                            attributes=list(layout.attributes.values()), outputs=[out]))
+        value = out
+    return value
+
+
 def _in_float32(graph: ir.Graph, node: ir.Node, sources: list) -> None:
-    inputs = []
-    for value, chain in sources:  # the layout nodes again, on the float32 value
-        for layout in chain:
-            out = ir.Value(name=f"{layout.outputs[0].name}_float32", type=ir.TensorType(ir.DataType.FLOAT))
-            graph.insert_before(node, ir.Node("", layout.op_type, [value, *layout.inputs[1:]],
-                                              attributes=list(layout.attributes.values()), outputs=[out]))
-            value = out
-        inputs.append(value)
+    inputs = [_layouts_on(graph, chain, value, node) for value, chain in sources]
     out = node.outputs[0]
     product = ir.Value(name=f"{out.name}_float32" if out.name else None, type=ir.TensorType(ir.DataType.FLOAT))
     new = ir.Node("", node.op_type, [*inputs, *node.inputs[2:]], attributes=list(node.attributes.values()),
@@ -211,13 +215,8 @@ def _in_float32(graph: ir.Graph, node: ir.Node, sources: list) -> None:
     # read in float32 (a weight gradient leaving the graph): the layout nodes again, on the float32 product, and
     # no cast down at all (a cast to bf16 after a float32 product, the plugin fused into it, rounding as before)
     graph.insert_after(node, new)
-    value, cast = product, sink[-1]
-    for layout in sink[:-1]:
-        moved = ir.Value(name=f"{layout.outputs[0].name}_float32", type=ir.TensorType(ir.DataType.FLOAT))
-        graph.insert_before(cast, ir.Node("", layout.op_type, [value, *layout.inputs[1:]],
-                                          attributes=list(layout.attributes.values()), outputs=[moved]))
-        value = moved
-    identity = ir.Node("", "Identity", [value], outputs=[ir.Value()])
+    cast = sink[-1]
+    identity = ir.Node("", "Identity", [_layouts_on(graph, sink[:-1], product, cast)], outputs=[ir.Value()])
     ir.convenience.replace_nodes_and_values(graph, cast, [cast], [identity], [cast.outputs[0]], [identity.outputs[0]])
     graph.remove([node, *sink[:-1]], safe=True)
 
