@@ -232,6 +232,15 @@ OPTIMIZER_SIDES = {
 }
 
 
+def _verdict(ratio: float, target: float, optimizer: str, by: str = "") -> str:
+    """Whether ``ratio`` meets ``target`` under ``--optimizer optimizer``: "met" or "NOT met" (``by`` after it,
+    e.g. " by the median") with the setting, or that the run decides nothing, its optimizers not being the same
+    on both sides (:data:`SAME_OPTIMIZER`)."""
+    if optimizer not in SAME_OPTIMIZER:  # the optimizers differ (or the rounds mixed them): printed, decides nothing
+        return "(decides nothing: ORTModule's optimizer is not eager's)"
+    return f"{'met' if ratio >= target else 'NOT met'}{by} (--optimizer {optimizer})"
+
+
 def target_rows(by_key: dict) -> list[str]:
     """One row per bf16 target whose two runs are present: the ratio, the target and whether it is met, or why
     this run does not decide it (its optimizers are not the ones the target is judged under)."""
@@ -245,11 +254,7 @@ def target_rows(by_key: dict) -> list[str]:
                 else "  (OpenVINO at f32, products bf16 but attention's: eager's attention was float32)"
                 if ours.get("ran") == [["openvino", "bf16-products"]]
                 else f"  (ORTModule ran {ours.get('ran')}, not OpenVINO bf16)")
-        ran = ours.get("optimizer", "adamw")
-        if ran not in SAME_OPTIMIZER:  # the optimizers differ: printed, but it decides nothing
-            verdict = "(decides nothing: ORTModule's optimizer is not eager's)"
-        else:
-            verdict = ("met" if ratio >= target else "NOT met") + f" (--optimizer {ran})"
+        verdict = _verdict(ratio, target, ours.get("optimizer", "adamw"))
         rows.append(f"{workload:9} ortmodule-bf16 vs {against:13} {ratio:6.2f}x  target >= {target}x  {verdict}{note}")
     return rows
 
@@ -309,11 +314,8 @@ def rounds_summary(rounds: list[dict]) -> list[str]:
                if "median_s" in b.get((workload, "ortmodule-bf16"), {})}
         ran_kind = ran.pop() if len(ran) == 1 else "mixed"
         middle, met = statistics.median(values), sum(v >= target for v in values)
-        if ran_kind not in SAME_OPTIMIZER:
-            verdict = "(decides nothing: ORTModule's optimizer is not eager's)"
-        else:
-            verdict = ("met" if middle >= target else "NOT met") + \
-                f" by the median (--optimizer {ran_kind}); met in {met} of {len(values)} rounds"
+        verdict = _verdict(middle, target, ran_kind, " by the median") + \
+            (f"; met in {met} of {len(values)} rounds" if ran_kind in SAME_OPTIMIZER else "")
         targets.append(f"{workload:9} ortmodule-bf16 vs {against:13} median {middle:5.2f}x of "
                        f"{' '.join(f'{v:.2f}' for v in values)}  target >= {target}x  {verdict}")
     if targets:

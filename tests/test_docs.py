@@ -107,6 +107,20 @@ def test_every_fence_says_what_it_is():
                             "show a command that must not run here, or text/json/...): " + ", ".join(unmarked))
 
 
+SWITCH = re.compile(r"""["'](ONNXTRAIN_[A-Z0-9_]+)["']""")  # an environment variable's name, as src/ spells it
+
+
+def test_every_environment_switch_is_documented():
+    """Every ``ONNXTRAIN_*`` environment variable that src/ names as a string is named in README.md or docs/ (a
+    history file, a record of what was, does not count)."""
+    switches = {name for path in sorted((REPO / "src").rglob("*.py"))
+                for name in SWITCH.findall(path.read_text(encoding="utf-8"))}
+    assert "ONNXTRAIN_BACKEND" in switches, sorted(switches)  # the scan finds them: this check cannot pass empty
+    docs = "\n".join(path.read_text(encoding="utf-8") for path in DOC_FILES if not path.stem.endswith("history"))
+    undocumented = sorted(name for name in switches if not re.search(rf"\b{name}\b", docs))
+    assert undocumented == [], f"environment switches read in src/ but named in no doc: {undocumented}"
+
+
 @pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.skip_reason() and b.language],
                          ids=lambda b: b.where)
 def test_block_not_run(block):

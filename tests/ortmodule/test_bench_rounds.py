@@ -57,3 +57,23 @@ def test_rounds_summary_skips_failed_rounds(bench):
     lines = bench.rounds_summary([_round(60.0, 50.0, 40.0), failed])
     eager = next(line for line in lines if "vs eager-bf16" in line)
     assert "of 1.50  " in eager and "met in 1 of 1 rounds" in eager
+
+
+def test_target_rows_verdicts(bench):
+    # one run: against eager 60 / 40 = 1.5x (target 1.4: met), against compile 44 / 40 = 1.1x (target 1.2: NOT met)
+    by_key = _round(60.0, 44.0, 40.0, "adamw")
+    by_key[("bert", "ortmodule-bf16")]["ran"] = [["openvino", "bf16"]]
+    rows = bench.target_rows(by_key)
+    eager = next(row for row in rows if "vs eager-bf16" in row)
+    assert "1.50x  target >= 1.4x  met (--optimizer adamw)" in eager and eager.endswith("(--optimizer adamw)")
+    compiled = next(row for row in rows if "vs compile-bf16" in row)
+    assert "1.10x  target >= 1.2x  NOT met (--optimizer adamw)" in compiled
+    ort = bench.target_rows(_round(60.0, 44.0, 40.0, "ort"))
+    assert len(ort) == 2 and all("decides nothing: ORTModule's optimizer is not eager's" in row for row in ort)
+    assert all(" met" not in row for row in ort)
+
+
+def test_rounds_summary_mixed_optimizers_decide_nothing(bench):
+    lines = bench.rounds_summary([_round(60.0, 50.0, 40.0, "fused"), _round(60.0, 50.0, 40.0, "adamw")])
+    targets = [line for line in lines if "target >=" in line]
+    assert len(targets) == 2 and all("decides nothing" in line and "rounds" not in line for line in targets)
