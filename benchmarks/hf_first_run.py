@@ -1,8 +1,9 @@
-"""A new user's first run: ORTTrainer(bf16=True) against Hugging Face Trainer(bf16=True) on a default BERT.
+"""A new user's first run: ORTTrainer(bf16=True) against Hugging Face Trainer(bf16=True) on a default BERT or GPT-2.
 
 The script as a new user writes it: ``BertForSequenceClassification`` from ``BertConfig`` with its defaults
 (dropout 0.1, attention ``sdpa`` unless ``--attn eager``) but 2 layers, random weights, synthetic token ids and
-labels, ``TrainingArguments(bf16=True, use_cpu=True)``, batch 16, sequence 128, AdamW. Each (trainer, attention)
+labels (``--model gpt2``: ``GPT2LMHeadModel`` from ``GPT2Config``'s defaults, hidden 768, dropouts 0.1, but 2
+layers, its labels the token ids), ``TrainingArguments(bf16=True, use_cpu=True)``, batch 16, sequence 128, AdamW. Each (trainer, attention)
 pair runs in a process of its own, the pairs in turn (``--repeats``), so that the trainers are compared in one
 sitting. Printed per run: the median step time over the steps after ``--warmup`` (each step timed from
 ``on_step_begin`` to ``on_step_end``: forward, backward, optimizer), what ORTModule fell back with (if it did),
@@ -10,7 +11,7 @@ and the 20 losses; then per attention the medians, ORTTrainer's speed as a multi
 faster) and the largest difference between the two trainers' losses, step by step from the same seed (the
 dropout masks are eager's: passes/dropout_masks.py).
 
-    python benchmarks/hf_first_run.py [--attn sdpa eager] [--steps 20] [--repeats 2]
+    python benchmarks/hf_first_run.py [--attn sdpa eager] [--steps 20] [--repeats 2] [--model bert|gpt2]
 """
 
 from __future__ import annotations
@@ -24,19 +25,25 @@ import time
 import warnings
 
 
-def run(trainer_kind: str, attn: str, steps: int, batch: int, seq: int, layers: int) -> dict:
+def run(trainer_kind: str, attn: str, steps: int, batch: int, seq: int, layers: int, kind: str = "bert") -> dict:
     import torch
     import transformers
 
     from onnxtrain.hf import ORTTrainer, ORTTrainingArguments
 
     torch.manual_seed(0)
-    config = transformers.BertConfig(num_hidden_layers=layers, num_labels=2, attn_implementation=attn)
-    model = transformers.BertForSequenceClassification(config)
     g = torch.Generator().manual_seed(1)
-    data = [{"input_ids": torch.randint(0, config.vocab_size, (seq,), generator=g),
-             "attention_mask": torch.ones(seq, dtype=torch.long),
-             "labels": torch.randint(0, 2, (), generator=g)} for _ in range(steps * batch)]
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=layers, use_cache=False, attn_implementation=attn)
+        model = transformers.GPT2LMHeadModel(config)
+        ids = [torch.randint(0, config.vocab_size, (seq,), generator=g) for _ in range(steps * batch)]
+        data = [{"input_ids": x, "attention_mask": torch.ones(seq, dtype=torch.long), "labels": x} for x in ids]
+    else:
+        config = transformers.BertConfig(num_hidden_layers=layers, num_labels=2, attn_implementation=attn)
+        model = transformers.BertForSequenceClassification(config)
+        data = [{"input_ids": torch.randint(0, config.vocab_size, (seq,), generator=g),
+                 "attention_mask": torch.ones(seq, dtype=torch.long),
+                 "labels": torch.randint(0, 2, (), generator=g)} for _ in range(steps * batch)]
     times, losses = [], []
 
     class Clock(transformers.TrainerCallback):
@@ -78,10 +85,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--model", default="bert", choices=["bert", "gpt2"])
     parser.add_argument("--child", nargs=2, metavar=("TRAINER", "ATTN"), help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.child:
-        result = run(opts.child[0], opts.child[1], opts.steps, opts.batch, opts.seq, opts.layers)
+        result = run(opts.child[0], opts.child[1], opts.steps, opts.batch, opts.seq, opts.layers, opts.model)
         print("RESULT " + json.dumps(result))
         return
     results: dict[tuple[str, str], list[dict]] = {}
@@ -90,7 +98,8 @@ def main() -> None:
             for kind in ("hf", "ort"):
                 out = subprocess.run([sys.executable, __file__, "--child", kind, attn, "--steps", str(opts.steps),
                                       "--batch", str(opts.batch), "--seq", str(opts.seq), "--layers",
-                                      str(opts.layers)], capture_output=True, text=True, check=False)
+                                      str(opts.layers), "--model", opts.model], capture_output=True, text=True,
+                                     check=False)
                 line = next((s for s in out.stdout.splitlines() if s.startswith("RESULT ")), None)
                 if line is None:
                     sys.exit(f"{kind}/{attn} failed:\n{out.stderr[-3000:]}")

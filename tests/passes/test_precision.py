@@ -232,6 +232,31 @@ def test_float32_accumulations_round_a_dynamic_weight_gradient_once_on_openvino(
     assert float32_accumulations(static) is static
 
 
+def test_static_shapes_round_a_weight_gradient_once_and_other_shapes_run_the_dynamic_model():
+    """ORTModule's PRODUCTS_BF16 fused call: OpenVINO compiles the graph as it is for each of the first
+    ``static_shapes`` input sizes, where its bf16 weight gradient rounds once (over the same sizes left dynamic it
+    rounds twice: the defect float32_accumulations mends); sizes past the bound run ``dynamic_model`` (the graph
+    with float32 accumulations) compiled over dynamic sizes, as close to float64 as autocast too."""
+    pytest.importorskip("openvino")
+    from onnxtrain.passes.precision import float32_accumulations
+    from onnxtrain.runtime.openvino import OpenVINOSession
+
+    proto = _weight_gradient_graph()
+    session = OpenVINOSession(proto.SerializeToString(), static_shapes=1,
+                              dynamic_model=float32_accumulations(proto).SerializeToString())
+    dynamic = OpenVINOSession(proto.SerializeToString())  # the graph alone, over dynamic sizes
+    torch.manual_seed(0)
+    for batch in (8, 4, 8):  # the first size compiles static; the second is past the bound
+        x, dy = torch.randn(batch, 64, 256), torch.randn(batch, 64, 512).bfloat16().float()
+        exact = (x.reshape(-1, 256).double().t() @ dy.reshape(-1, 512).double()).numpy()
+        autocast = _rel((x.reshape(-1, 256).bfloat16().t() @ dy.reshape(-1, 512).bfloat16()).double().numpy(), exact)
+        (got,) = session.run_arrays([x.numpy(), dy.numpy()])
+        assert _rel(got, exact) <= autocast * 1.01, (batch, _rel(got, exact), autocast)
+        (twice,) = dynamic.run_arrays([x.numpy(), dy.numpy()])
+        assert _rel(twice, exact) > autocast * 1.2, (batch, _rel(twice, exact), autocast)
+    assert list(session._static) == [((8, 64, 256), (8, 64, 512))] and session._compiled is not None
+
+
 def test_weight_transposed_after_its_cast_and_gemm_bias_added_in_float32():
     """A float32 Transpose between a weight and its Cast ran on OpenVINO's reference kernel; a Gemm's bias in the low
     type had its gradient summed in it. Now the Transpose reads the cast weight, and the bias is a float32 Add."""

@@ -51,6 +51,11 @@ logger = logging.getLogger("onnxtrain.ortmodule")
 # hint: where eager computes attention in float32 (PyTorch's math kernel, taken with dropout_p > 0), its nodes
 # stay float32 (capture.attention.from_attention), the rest of the graph as the precision pass leaves it.
 PRODUCTS_BF16 = "bf16-products"
+# Under PRODUCTS_BF16, the fused call is compiled by OpenVINO for each of the first STATIC_SHAPES sets of input sizes
+# it meets, every size fixed: its weight gradients bf16 products (one rounding with static sizes), its elementwise
+# ops and their conversions fused (BERT at hidden 768: the call's CPU time 595 -> 481 ms). Other sizes run one
+# compile over dynamic sizes of the graph whose weight gradients accumulate in float32 (passes.precision).
+STATIC_SHAPES = 8
 
 
 @dataclass
@@ -189,14 +194,17 @@ class SchemaGraphs:
             self.inference = self._session(ir.to_proto(cast_outputs(model, self.output_casts)))
         return self.inference
 
-    def _session(self, proto: onnx.ModelProto, in_node_order: bool = False, arena: bool = True) -> TorchSession:
+    def _session(self, proto: onnx.ModelProto, in_node_order: bool = False, arena: bool = True,
+                 dynamic: onnx.ModelProto | None = None) -> TorchSession:
         """``in_node_order``: onnxruntime runs the nodes in the graph's order (its priority-based order)
         rather than its default topological order, which in the forward graph ran work early and kept its
         outputs alive (BERT-small at 4x batch: the forward's peak at recompute budget 0, 132 -> 88 MB above
         the RSS between steps; the step's activation memory without recompute, 319 -> 307 MB).
         ``arena``: False for a session that takes no memory from the shared arena
-        (:func:`onnxtrain.utils.ort_options.forward_without_arena`)."""
+        (:func:`onnxtrain.utils.ort_options.forward_without_arena`). ``dynamic``: the graph OpenVINO compiles over
+        dynamic sizes, ``proto`` compiled per input sizes (:data:`STATIC_SHAPES` of them)."""
         proto = strip_stop_gradients(proto)
+        static = {"static_shapes": STATIC_SHAPES, "dynamic_model": strip_stop_gradients(dynamic)} if dynamic else {}
         precision = self.precision
         if precision == "fp16":  # float16 products in the graph itself (passes.precision), run as it is
             proto, precision = apply_precision(proto, "fp16"), "fp32"
@@ -205,7 +213,7 @@ class SchemaGraphs:
         options = session_options(log_severity=self.log_severity, arena=arena)
         if in_node_order:
             options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
-        return TorchSession(proto, self.device, options, self.backend, precision)
+        return TorchSession(proto, self.device, options, self.backend, precision, **static)
 
 
 def lower_products(graphs: SchemaGraphs) -> None:
@@ -284,7 +292,14 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
         add_gradient_outputs(model, [inputs[i] for i in wrt], targets, seeds, names=bases)
     training_passes = pipeline.ortmodule_training(num_forward_outputs, recompute, dims, pipeline.presaved(before))
     model = training_passes(model)
-    if graphs.precision == PRODUCTS_BF16:  # weight gradients: float32 from the values the forward cast down
+    no_fusion = (fusion.why_not(graphs.backend, graphs.random, graphs.mutated_buffers, user_outputs, diff_outputs)
+                 if fused_step() else f"{FUSED_STEP_ENV}=0")
+    static = None  # the fused graph OpenVINO compiles per input sizes (its weight gradients' products bf16)
+    if graphs.precision == PRODUCTS_BF16:  # weight gradients: float32 from the values the forward cast down,
+        # where OpenVINO compiles over dynamic sizes (its bf16 product rounds twice there: passes.precision)
+        if graphs.backend == "openvino" and not no_fusion:
+            static = pipeline.openvino_graphs()(ir.from_proto(ir.to_proto(model)))
+            _refuse(static, "training")
         model = ir.from_proto(float32_accumulations(ir.to_proto(model)))
     if save is not None:
         save(model, "training")
@@ -293,9 +308,8 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
         _refuse(model, "training")
     elif graphs.device.type == "cpu":  # measured on onnxruntime's CPU kernels only
         model = pipeline.onnxruntime_graphs()(model)
-    no_fusion = (fusion.why_not(graphs.backend, graphs.random, graphs.mutated_buffers, user_outputs, diff_outputs)
-                 if fused_step() else f"{FUSED_STEP_ENV}=0")
     joint = None if no_fusion else ir_version_for_onnxruntime(ir.to_proto(model))  # before the split takes it apart
+    static = None if static is None else ir_version_for_onnxruntime(ir.to_proto(static))
     split = split_forward_backward(model, num_forward_outputs, len(seeds))
     row_scatters = defer_row_scatters(split.backward)  # embedding gradients: torch adds the rows
     stashed = set(split.stashed_outputs)
@@ -322,7 +336,7 @@ def build_training(graphs: SchemaGraphs, requires_grad: list[bool], save: Saver 
                         torch_casts={k: _TORCH_DTYPES[dtype] for k, dtype in graphs.output_casts.items()
                                      if k not in in_graph})
     if joint is not None:
-        training.fused = _fused_step(graphs, training, joint, num_forward_outputs, seeds, names)
+        training.fused = _fused_step(graphs, training, joint, num_forward_outputs, seeds, names, static)
     else:
         logger.info("forward and backward run as two graphs: %s", no_fusion)
     return training
@@ -346,9 +360,11 @@ def _refuse(model: ir.Model, kind: str) -> None:
 
 
 def _fused_step(graphs: SchemaGraphs, training: Training, joint: onnx.ModelProto, num_forward_outputs: int,
-                seeds: list[ir.Value], names: list[str | None]) -> fusion.FusedStep | None:
+                seeds: list[ir.Value], names: list[str | None],
+                static: onnx.ModelProto | None = None) -> fusion.FusedStep | None:
     """The fused call for the one scalar differentiable output (:func:`fusion.why_not` said it may be
-    made), or None where its graph cannot be made or would treat embedding gradients otherwise."""
+    made), or None where its graph cannot be made or would treat embedding gradients otherwise. ``static``:
+    ``joint`` as OpenVINO runs it for fixed input sizes (:data:`STATIC_SHAPES`), with the same inputs and outputs."""
     loss = next(k for k, seed in enumerate(seeds) if seed.shape is not None and len(seed.shape) == 0)
     try:
         proto, plan = fusion.build(joint, num_forward_outputs, [s.name for s in seeds], loss,
@@ -362,13 +378,30 @@ def _fused_step(graphs: SchemaGraphs, training: Training, joint: onnx.ModelProto
     if rules != (training.padding_ids, training.zero_rows, training.freq_scaled):
         logger.info("forward and backward run as two graphs: the fused graph's embedding gradients differ")
         return None
-    if graphs.output_casts:  # the forward's outputs keep their places in the fused graph (fusion.build)
-        proto = ir_version_for_onnxruntime(ir.to_proto(cast_outputs(ir.from_proto(proto), graphs.output_casts)))
+    proto = _with_output_casts(graphs, proto)
+    if static is not None:
+        static = _with_output_casts(graphs, fusion.build(static, num_forward_outputs, [s.name for s in seeds], loss,
+                                                         training.float32_sums)[0])
+        if _interface(static) != _interface(proto):  # not expected: then dynamic sizes only
+            logger.info("the fused graph runs over dynamic sizes only: its static form's inputs or outputs differ")
+            static = None
     if graphs.saver is not None:
         graphs.saver(proto, "fused")
     seed = torch.ones((), dtype=_TORCH_DTYPES[seeds[loss].dtype])
     logger.info("forward and the loss's gradients run as one graph of %d nodes", len(proto.graph.node))
-    return fusion.FusedStep(graphs._session(proto), num_forward_outputs, loss, seed, plan, *rules)
+    session = graphs._session(proto) if static is None else graphs._session(static, dynamic=proto)
+    return fusion.FusedStep(session, num_forward_outputs, loss, seed, plan, *rules)
+
+
+def _with_output_casts(graphs: SchemaGraphs, proto: onnx.ModelProto) -> onnx.ModelProto:
+    if not graphs.output_casts:  # the forward's outputs keep their places in the fused graph (fusion.build)
+        return proto
+    return ir_version_for_onnxruntime(ir.to_proto(cast_outputs(ir.from_proto(proto), graphs.output_casts)))
+
+
+def _interface(proto: onnx.ModelProto) -> tuple:
+    """Names and element types of the graph's inputs and outputs, in order."""
+    return tuple((v.name, v.type.tensor_type.elem_type) for v in (*proto.graph.input, *proto.graph.output))
 
 
 _TORCH_DTYPES = {ir.DataType.FLOAT: torch.float32, ir.DataType.DOUBLE: torch.float64,

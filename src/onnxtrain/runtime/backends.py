@@ -86,17 +86,18 @@ def resolve(backend: str | None, precision: str | None, device: str = "cpu") -> 
 
 
 def create_session(model, backend: str = "onnxruntime", precision: str = "fp32", session_options=None,
-                   providers=None, disabled_optimizers=(), pin_threads: bool = True):
+                   providers=None, disabled_optimizers=(), pin_threads: bool = True, **openvino):
     """A session for ``model`` (a path or the model's bytes) on a resolved backend and precision
     (:func:`resolve`). ``session_options`` (an ``onnxruntime.SessionOptions``) also give OpenVINO its
     thread count; ``disabled_optimizers``: onnxruntime graph transformers not to run; ``pin_threads=False``:
-    OpenVINO does not pin its threads to cores (:class:`onnxtrain.runtime.openvino.OpenVINOSession`)."""
+    OpenVINO does not pin its threads to cores (:class:`onnxtrain.runtime.openvino.OpenVINOSession`), whose
+    ``static_shapes`` and ``dynamic_model`` ``openvino`` may give."""
     if backend == "openvino":
         from onnxtrain.runtime.openvino import OpenVINOReadError, OpenVINOSession
 
         threads = getattr(session_options, "intra_op_num_threads", 0) or None
         try:
-            return OpenVINOSession(model, precision=precision, threads=threads, pin_threads=pin_threads)
+            return OpenVINOSession(model, precision=precision, threads=threads, pin_threads=pin_threads, **openvino)
         except OpenVINOReadError as exc:  # this graph only: the others keep running on OpenVINO
             reason = _failed_ops(str(exc))
             _warn_once(f"openvino-read:{reason}", f"OpenVINO cannot convert a graph ({reason}): that graph runs "

@@ -145,21 +145,19 @@ class OpenVINOSession:
     """A compiled OpenVINO model with ``get_inputs``/``get_outputs``/``get_modelmeta``/``io_binding``/
     ``run_with_iobinding`` as onnxruntime's InferenceSession has them."""
 
-    def __init__(self, model, precision: str = "fp32", threads: int | None = None, pin_threads: bool = True):
+    def __init__(self, model, precision: str = "fp32", threads: int | None = None, pin_threads: bool = True,
+                 static_shapes: int = 0, dynamic_model=None):
         """``threads``: OpenVINO's ``INFERENCE_NUM_THREADS`` (None: its own choice). ``pin_threads=False``
-        sets ``ENABLE_CPU_PINNING`` off: for a process whose other thread pool (torch's) shares the cores."""
+        sets ``ENABLE_CPU_PINNING`` off: for a process whose other thread pool (torch's) shares the cores.
+        ``static_shapes``: :meth:`run_arrays` compiles the model for each of the first ``static_shapes`` sets of
+        input shapes it meets, with every size fixed (the plugin plans static kernels, fuses elementwise ops and
+        their conversions, and rounds a bfloat16 product once); other shapes, and the
+        binding path, run one compile over dynamic sizes, of ``dynamic_model`` where given (a model with the same
+        inputs and outputs: ORTModule's ``PRODUCTS_BF16`` graph whose weight gradients accumulate in float32)."""
         if precision not in _HINTS:
             raise ValueError(f"OpenVINO runs precision 'fp32' or 'bf16', not {precision!r}")
-        if isinstance(model, (str, os.PathLike)):
-            model = str(model)
-        try:
-            self._model = core().read_model(model)
-        except Exception as exc:
-            raise OpenVINOReadError(f"OpenVINO cannot read the model: {exc}") from exc
-        if precision == "bf16":  # the loss region stays float32, as under autocast (ONNXTRAIN_OPENVINO_FLOAT32)
-            from onnxtrain.runtime.openvino_float32 import keep_float32
-
-            self._model = keep_float32(self._model, core())
+        self.precision = precision
+        self._model = self._read(model)
         refused = _read_dynamic_kernel(self._model)  # when made, not at the first run (compiled then)
         if refused is not None:
             raise DynamicKernelError(f"OpenVINO cannot compile the model for the CPU: {refused}")
@@ -169,29 +167,76 @@ class OpenVINOSession:
             self._config["INFERENCE_NUM_THREADS"] = int(threads)
         if not pin_threads:
             self._config["ENABLE_CPU_PINNING"] = False
-        self.precision = precision
         self._inputs = [_port(p) for p in self._model.inputs]
         self._outputs = [_port(p) for p in self._model.outputs]
         self._compiled = None
         self._idle: list = []  # infer requests of finished runs, for the next binding (OpenVINOBinding._run)
         # id of a pooled request -> per input position, a weak reference to the array run_arrays last set there
         self._reads: dict[int, list] = {}
+        self._static_shapes = int(static_shapes)
+        self._static: dict[tuple, object] = {}  # input shapes -> the model compiled for them
+        # The idle requests of one static compile (the last shapes run): another's are dropped, with the
+        # intermediate memory each holds, when the shapes change
+        self._static_idle: tuple[tuple | None, list] = (None, [])
+        self._dynamic_source = dynamic_model
+        if self._static_shapes:
+            return  # compiled on the first run, for its shapes
         if all(not p.get_partial_shape().rank.is_dynamic for p in self._model.inputs):
             self._compile()
         # else: OpenVINO's CPU plugin needs every input's rank; compiled on the first run, from its inputs
 
+    def _read(self, model):
+        if isinstance(model, (str, os.PathLike)):
+            model = str(model)
+        try:
+            read = core().read_model(model)
+        except Exception as exc:
+            raise OpenVINOReadError(f"OpenVINO cannot read the model: {exc}") from exc
+        if self.precision == "bf16":  # the loss region stays float32, as under autocast (ONNXTRAIN_OPENVINO_FLOAT32)
+            from onnxtrain.runtime.openvino_float32 import keep_float32
+
+            read = keep_float32(read, core())
+        return read
+
     def _compile(self, arrays: dict[str, np.ndarray] | None = None):
         if self._compiled is None:
+            model = self._model
+            if self._dynamic_source is not None:
+                model = self._read(self._dynamic_source)
             if arrays is not None:
                 import openvino as ov
 
-                self._model.reshape({p.get_any_name(): ov.PartialShape.dynamic(arrays[p.get_any_name()].ndim)
-                                     for p in self._model.inputs if p.get_partial_shape().rank.is_dynamic})
-            try:
-                self._compiled = core().compile_model(self._model, "CPU", self._config)
-            except Exception as exc:
-                raise OpenVINOCompileError(f"OpenVINO cannot compile the model for the CPU: {one_line(exc)}") from exc
+                model.reshape({p.get_any_name(): ov.PartialShape.dynamic(arrays[p.get_any_name()].ndim)
+                               for p in model.inputs if p.get_partial_shape().rank.is_dynamic})
+            self._compiled = self._compile_model(model)
         return self._compiled
+
+    def _compile_model(self, model):
+        try:
+            return core().compile_model(model, "CPU", self._config)
+        except Exception as exc:
+            raise OpenVINOCompileError(f"OpenVINO cannot compile the model for the CPU: {one_line(exc)}") from exc
+
+    def _static_request(self, arrays: list[np.ndarray]):
+        """An infer request of the model compiled for these arrays' shapes, or None past ``static_shapes``."""
+        shapes = tuple(a.shape for a in arrays)
+        key, idle = self._static_idle
+        if key == shapes and idle:
+            return idle.pop()
+        compiled = self._static.get(shapes)
+        if compiled is None:
+            if len(self._static) >= self._static_shapes:
+                return None
+            import openvino as ov
+
+            model = self._model.clone()
+            model.reshape({p.get_any_name(): ov.PartialShape(list(a.shape)) for p, a in zip(model.inputs, arrays)})
+            compiled = self._static[shapes] = self._compile_model(model)
+        if key != shapes:
+            for request in idle:
+                self._reads.pop(id(request), None)
+            self._static_idle = (shapes, [])
+        return compiled.create_infer_request()
 
     def get_inputs(self) -> list:
         return list(self._inputs)
@@ -215,8 +260,11 @@ class OpenVINOSession:
             raise ValueError(f"the model takes {len(self._inputs)} inputs, got {len(arrays)}")
         import openvino as ov
 
-        request = self._idle.pop() if self._idle else self._compile(
-            {p.name: a for p, a in zip(self._inputs, arrays)}).create_infer_request()
+        request = self._static_request(arrays) if self._static_shapes else None
+        idle = self._static_idle[1] if request is not None else self._idle
+        if request is None:
+            request = self._idle.pop() if self._idle else self._compile(
+                {p.name: a for p, a in zip(self._inputs, arrays)}).create_infer_request()
         # What the request reads from its last run here: an input whose array is this very (live) object is
         # read in place and needs no new tensor. Cleared until the inputs are all set (a failure leaves some unset).
         reads = self._reads.pop(id(request), None) or [None] * len(arrays)
@@ -236,7 +284,7 @@ class OpenVINOSession:
             request.infer()
             return [np.array(request.get_output_tensor(k).data, copy=True) for k in range(len(self._outputs))]
         finally:
-            self._idle.append(request)
+            idle.append(request)
 
     def io_binding(self) -> OpenVINOBinding:
         return OpenVINOBinding(self)

@@ -89,9 +89,12 @@ class TorchSession:
     """Run an ONNX model on torch tensors: ``outputs = session.run(inputs)`` in graph input order."""
 
     def __init__(self, model: onnx.ModelProto, device: torch.device, options: ort.SessionOptions | None = None,
-                 backend: str = "onnxruntime", precision: str = "fp32"):
+                 backend: str = "onnxruntime", precision: str = "fp32", static_shapes: int = 0,
+                 dynamic_model: onnx.ModelProto | None = None):
         """``backend`` and ``precision`` as :func:`onnxtrain.runtime.backends.resolve` gives them: OpenVINO
-        reads the tensors' memory through the same OrtValues, and its outputs reach torch by DLPack."""
+        reads the tensors' memory through the same OrtValues, and its outputs reach torch by DLPack.
+        ``static_shapes``, ``dynamic_model``: OpenVINO's compiles per input shapes
+        (:class:`onnxtrain.runtime.openvino.OpenVINOSession`)."""
         self.device = torch.device(device)
         self.backend, self.precision = backend, precision
         options = options or session_options()
@@ -101,8 +104,10 @@ class TorchSession:
         else:  # OpenVINO's threads unpinned: torch's OpenMP workers share the cores and spin after each of
             # torch's parallel ops (the optimizer's); a pinned thread waited out the spin on its core (the
             # MLP's forward call right after the optimizer: about twice its time after a pause; docs/precision.md)
+            static = {"static_shapes": static_shapes, "dynamic_model": dynamic_model.SerializeToString()
+                      if dynamic_model is not None else None} if backend == "openvino" and static_shapes else {}
             self._session = backends.create_session(model.SerializeToString(), backend, precision, options,
-                                                    pin_threads=False)
+                                                    pin_threads=False, **static)
             if backend == "openvino" and self.device.type == "cpu":
                 torch_threads.note_graph_threads()  # onnxtrain's torch work between calls opens no OpenMP team
         self.input_names = [i.name for i in self._session.get_inputs()]
