@@ -41,6 +41,17 @@ def llama_lm(seed=0, dropout=0.0):
     return transformers.LlamaForCausalLM(config)
 
 
+def t5_seq2seq(seed=0, dropout=0.0):
+    """A T5 with its default config otherwise: use_cache on, so the model returns an EncoderDecoderCache.
+    Attention ``eager``: at this width torch's ONNX exporter cannot re-trace T5's sdpa call (docs/hf.md)."""
+    torch.manual_seed(seed)
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=dropout,
+        decoder_start_token_id=0, attn_implementation="eager",
+    )
+    return transformers.T5ForConditionalGeneration(config)
+
+
 def classification_dataset(n=48, seed=0):
     """Label 1 when the first token is in the upper half of the vocabulary: learnable in a few steps.
 

@@ -76,6 +76,10 @@ FAMILIES = {
     "t5": ("T5ForConditionalGeneration", "T5Config",
            dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
                 decoder_start_token_id=0, use_cache=False)),
+    # what the sdpa-with-dropout fallback's reason advises, and what ORTTrainer runs (it passes use_cache=False)
+    "t5_eager": ("T5ForConditionalGeneration", "T5Config",
+                 dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+                      decoder_start_token_id=0, use_cache=False, attn_implementation="eager")),
     "vit": ("ViTForImageClassification", "ViTConfig",
             dict(IMAGE, image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, hidden_dropout_prob=0.0,
                  attention_probs_dropout_prob=0.0, **LAYERS)),

@@ -17,6 +17,7 @@ How it plugs into Trainer (transformers 5.x):
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from typing import Any
@@ -107,6 +108,16 @@ class ORTTrainer(Trainer):
             # that for a wrapped model, so do it here for the ORTModule.
             wrapped = self.accelerator.prepare_model(ort_module)
         return wrapped
+
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Trainer's, plus ``use_cache=False`` where the model runs in ORTModule and its forward takes it: the
+        loops never read a key/value cache (Trainer drops it from evaluation outputs), and one ORTModule cannot
+        carry (T5's ``EncoderDecoderCache``, returned with Trainer's ``use_cache=False`` too) made the model fall
+        back to PyTorch. The loss and the outputs the loops read are the same either way."""
+        inputs = super()._prepare_inputs(inputs)
+        if self._ort_modules and "use_cache" not in inputs and _returns_cache(self.model):
+            inputs = {**inputs, "use_cache": False}
+        return inputs
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss_module = self._ort_modules.get("loss")
@@ -285,6 +296,16 @@ class _InferenceModel(nn.Module):
                 f"{missing}; pass the feature= that matches the model."
             )
         return tuple(result[name] for name in self.outputs)
+
+
+def _returns_cache(model: nn.Module) -> bool:
+    """Whether ``model``'s forward takes ``use_cache``. Its config is no guide: Trainer sets ``config.use_cache``
+    to ``TrainingArguments.use_cache`` (False), but T5's encoder and decoder read copies of the config, and return
+    a cache still."""
+    try:
+        return "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # no signature to read: leave the call as the user's
+        return False
 
 
 def _parse_optim_args(optim_args: str | None) -> dict[str, str]:
