@@ -57,7 +57,7 @@ echo "== tier: distributed (two processes on CPU: ORTModule in DeepSpeed ZeRO-1/
 # deepspeed comes with .[test]; its CPU accelerator JIT-builds one op (cached in ~/.cache/torch_extensions).
 DS_ACCELERATOR=cpu timeout 1800 python -m pytest -m distributed tests/distributed
 
-echo "== tier: families (30 transformers model families through ORTModule against eager, float32 and autocast bf16, both ends of torch)"
+echo "== tier: families (31 transformers model families through ORTModule against eager, float32 and autocast bf16, both ends of torch)"
 # tests/ortmodule/test_families.py: two training steps each, losses and every gradient against PyTorch;
 # about 1.5 minutes per interpreter here (11-14 loaded). tests/ortmodule/test_families_bf16.py: the same families
 # under autocast bf16 (OpenVINO), gradients against float64 beside eager autocast's: 3.9 minutes on torch 2.13,
