@@ -32,7 +32,7 @@ def alternate(workload: str, rounds: int, block: int, optimizer: str, dropout: f
 
     from onnxtrain import ORTModule
 
-    os.environ.setdefault("ONNXTRAIN_BF16_ATTENTION_FLOAT32", "1")  # the mode is opt-in
+    os.environ.setdefault("ONNXTRAIN_BF16_ATTENTION_FLOAT32", "1")  # the mode (the default), unless the caller says
     torch.set_num_threads(2)
     model, loss_fn = make_workload(workload, dropout=dropout)
     model.train()

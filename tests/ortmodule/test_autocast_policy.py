@@ -138,10 +138,11 @@ class _Attention(torch.nn.Module):
 @bf16_runs
 def test_attention_eager_computes_in_float32_runs_its_products_in_float32(monkeypatch):
     """PyTorch's CPU kernel for attention with dropout_p > 0 (its math kernel) computes in float32 from the bfloat16
-    q, k, v under autocast; with ONNXTRAIN_BF16_ATTENTION_FLOAT32=1 the graphs follow it in PRODUCTS_BF16 (before:
-    a fallback). Same dropout masks (the seed), gradients within 2x eager autocast's error against float64."""
+    q, k, v under autocast; by default (ONNXTRAIN_BF16_ATTENTION_FLOAT32 unset) the graphs follow it in PRODUCTS_BF16
+    (before: a fallback, by default). Same dropout masks (the seed), gradients within 2x eager autocast's error
+    against float64."""
     monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
-    monkeypatch.setenv(ATTENTION_FLOAT32_ENV, "1")
+    monkeypatch.delenv(ATTENTION_FLOAT32_ENV, raising=False)
     torch.manual_seed(0)
     reference, x = _Attention(0.1), torch.randn(4, 8, 16)
     model = ORTModule(copy.deepcopy(reference))
@@ -162,9 +163,9 @@ def test_attention_eager_computes_in_float32_runs_its_products_in_float32(monkey
 @bf16_runs
 @pytest.mark.parametrize("opted_in", [False, True])
 def test_attention_eager_computes_in_float32_falls_back_saying_what_runs_it_in_bf16(opted_in, monkeypatch):
-    """By default an attention with dropout (the math kernel: float32) falls back with the reason; with
-    ONNXTRAIN_BF16_ATTENTION_FLOAT32=1, one with dropout beside one without (its flash kernel: bfloat16, as the
-    graphs' hint runs it) still does: no one precision of the graphs follows both."""
+    """With ONNXTRAIN_BF16_ATTENTION_FLOAT32=0 an attention with dropout (the math kernel: float32) falls back with
+    the reason, which names the switch; with it on (the default), one with dropout beside one without (its flash
+    kernel: bfloat16, as the graphs' hint runs it) still does: no one precision of the graphs follows both."""
     monkeypatch.setenv("ONNXTRAIN_FALLBACK", "1")
     monkeypatch.setenv(ATTENTION_FLOAT32_ENV, "1" if opted_in else "0")
     torch.manual_seed(0)
@@ -177,8 +178,8 @@ def test_attention_eager_computes_in_float32_falls_back_saying_what_runs_it_in_b
     assert reason is not None and "scaled_dot_product_attention computes in" in reason and "test_autocast_policy.py:" in reason
     assert 'attn_implementation="eager"' in reason and "torch.float32" in reason
     assert "taken with dropout_p > 0" in reason and "attention dropout 0 or" in reason  # the cause, this model's
-    # the opt-in named where it would apply (every attention float32), not beside a bf16 one
-    assert ("ONNXTRAIN_BF16_ATTENTION_FLOAT32=1 runs it on the graphs" in reason) is (not opted_in)
+    # the switch named where it would apply (every attention float32), not beside a bf16 one
+    assert ("ONNXTRAIN_BF16_ATTENTION_FLOAT32=0 turned off running it on the graphs" in reason) is (not opted_in)
     (warning,) = [w for w in caught if "falls back to PyTorch" in str(w.message)]
     assert 'attn_implementation="eager"' in str(warning.message)  # within the warning's one line
 

@@ -105,8 +105,9 @@ def _reference(model):
 
 @pytest.fixture(autouse=True)
 def _attention_float32(monkeypatch):
-    """Falcon's and Swin's attention (float32 in eager on torch 2.13) runs in PRODUCTS_BF16, which is opt-in."""
-    monkeypatch.setenv(ATTENTION_FLOAT32_ENV, "1")
+    """Falcon's and Swin's attention (float32 in eager on torch 2.13) runs in PRODUCTS_BF16, the default (the switch
+    unset)."""
+    monkeypatch.delenv(ATTENTION_FLOAT32_ENV, raising=False)
 
 
 def _errors(family):

@@ -14,9 +14,9 @@ Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` the float32 graphs run on 
 precision hint (onnxtrain.runtime.backends; without the ``openvino`` package or a CPU with bfloat16, a
 warning once and float32). Each output has the dtype eager autocast gives it (bfloat16 logits, a float32 loss),
 asked of PyTorch on fake tensors at export (onnxtrain.capture.autocast_dtypes) and cast inside the graph. Where
-eager computes the attention in float32 (sdpa's math kernel, taken with dropout), ORTModule falls back, or with
-``ONNXTRAIN_BF16_ATTENTION_FLOAT32=1`` runs the graphs in ``graphs.PRODUCTS_BF16``: products in bf16 in the graph,
-attention float32, OpenVINO at its f32 hint. Under
+eager computes the attention in float32 (sdpa's math kernel, taken with dropout), ORTModule runs the graphs in
+``graphs.PRODUCTS_BF16``: products in bf16 in the graph, attention float32, OpenVINO at its f32 hint
+(``ONNXTRAIN_BF16_ATTENTION_FLOAT32=0`` falls back there instead). Under
 ``torch.autocast("cpu", dtype=torch.float16)`` the graphs' matmul-class products run in float16
 (onnxtrain.passes.precision) on onnxruntime; with ``torch.amp.GradScaler`` the scaled loss's gradient flows
 in and inf/NaN gradients reach the scaler. CUDA autocast is not supported yet: a warning once, and the graphs
@@ -552,7 +552,8 @@ def _check_policy(module: torch.nn.Module, run, kind: str, precision: str) -> st
             f"{kind} math kernel{cause}) where the {precision} graphs would compute in {precision}; "
             f"{remedy}attn_implementation=\"eager\" (Hugging Face) runs it in {low}"
             + (f" (at {run.attention_site})" if run.attention_site else "")
-            + ("; ONNXTRAIN_BF16_ATTENTION_FLOAT32=1 runs it on the graphs, attention float32" if eligible else ""))
+            + ("; ONNXTRAIN_BF16_ATTENTION_FLOAT32=0 turned off running it on the graphs, attention float32"
+               if eligible else ""))
     off = run.off_policy(low, _LOWERED[precision])
     if off:
         raise AutocastPolicyError(

@@ -138,14 +138,13 @@ def torch_dropout() -> bool:
 
 
 def attention_float32() -> bool:
-    """``$ONNXTRAIN_BF16_ATTENTION_FLOAT32``, else off: 1 runs a forward whose attention eager computes in float32
-    under autocast bf16 (PyTorch's math kernel, taken with dropout_p > 0) on the graphs in
-    ``graphs.PRODUCTS_BF16``; off, it falls back to PyTorch. Off by default because the mode is not faster than
-    eager everywhere: BERT-small 1.12x and GPT-2-small 1.61x eager autocast at dropout 0.1, but a default-width
-    BERT (hidden 768, ``benchmarks/hf_first_run.py``) 0.91-0.92x, where the fallback runs at eager's speed
-    (docs/precision.md)."""
-    return _env_switch(ATTENTION_FLOAT32_ENV, False, "use 1 (the products in bf16, attention float32, OpenVINO at "
-                                                     "f32) or 0 (fall back to PyTorch; the default)")
+    """``$ONNXTRAIN_BF16_ATTENTION_FLOAT32``, else on: a forward whose attention eager computes in float32 under
+    autocast bf16 (PyTorch's math kernel, taken with dropout_p > 0: the configs' default attention dropout) runs on
+    the graphs in ``graphs.PRODUCTS_BF16``; 0 falls back to PyTorch there. On by default since its fused call is
+    compiled for the batch's sizes (``graphs.STATIC_SHAPES``): a default-width BERT (``benchmarks/hf_first_run.py``)
+    ran faster than Trainer in it, where the fallback runs at eager's speed (docs/precision.md)."""
+    return _env_switch(ATTENTION_FLOAT32_ENV, True, "use 1 (the products in bf16, attention float32, OpenVINO at "
+                                                    "f32; the default) or 0 (fall back to PyTorch)")
 
 
 @dataclass
