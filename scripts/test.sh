@@ -53,6 +53,10 @@ python -m pytest -m "slow and not flower"
 echo "== tier: the whole OpInfo sweep through ORTModule (tests/opinfo, -m opinfo_full; about 10 minutes here)"
 python -m pytest -s -m opinfo_full tests/opinfo
 
+echo "== tier: the whole OpInfo sweep under autocast bf16 (tests/opinfo/test_opinfo_bf16.py, -m opinfo_bf16; TIME_BF16)"
+# ORTModule on OpenVINO at its bf16 hint against float64 beside eager autocast (docs/opinfo.md; openvino is in .[test])
+python -m pytest -s -m opinfo_bf16 tests/opinfo/test_opinfo_bf16.py
+
 echo "== tier: distributed (two processes on CPU: ORTModule in DeepSpeed ZeRO-1/2/3 and FSDP2 against eager)"
 # deepspeed comes with .[test]; its CPU accelerator JIT-builds one op (cached in ~/.cache/torch_extensions).
 DS_ACCELERATOR=cpu timeout 1800 python -m pytest -m distributed tests/distributed

@@ -331,16 +331,13 @@ def run_sample(op, sample, mode: str, index: int = 0) -> Result:
         return _run_sample(op, sample, mode, index)
 
 
-def _run_sample(op, sample, mode: str, index: int) -> Result:
-    from onnxtrain import DebugOptions, ORTModule
-
-    name = full_name(op)
-    result = Result(name, index, mode, "skip")
+def module_factory(op, sample, mode: str):
+    """A function making a fresh ``(module, inputs, grad_leaves)`` for ``op(sample)`` run ``mode``'s way
+    (``grad_leaves``: the inputs that require grad, then the parameters), or why the sample is skipped (ties)."""
     structure = (sample.input, tuple(sample.args), dict(sample.kwargs))
     leaves = _leaves(structure, [])
-    if name in TIES and _has_ties(leaves):
-        result.reason = "repeated values: which tied element wins is unspecified"
-        return result
+    if full_name(op) in TIES and _has_ties(leaves):
+        return "repeated values: which tied element wins is unspecified"
     first = len(_leaves(sample.input, []))  # the sample's input stays an input, as a model's data does
     as_param = [mode == "params" and i >= first and torch.is_tensor(t) and t.requires_grad
                 for i, t in enumerate(leaves)]
@@ -352,6 +349,19 @@ def _run_sample(op, sample, mode: str, index: int) -> Result:
                   for t, p in zip(leaves, as_param) if torch.is_tensor(t) and not p]
         grad_leaves = [t for t in inputs if t.requires_grad] + list(module.params)
         return module, inputs, grad_leaves
+
+    return fresh
+
+
+def _run_sample(op, sample, mode: str, index: int) -> Result:
+    from onnxtrain import DebugOptions, ORTModule
+
+    name = full_name(op)
+    result = Result(name, index, mode, "skip")
+    fresh = module_factory(op, sample, mode)
+    if isinstance(fresh, str):
+        result.reason = fresh
+        return result
 
     module, inputs, grad_leaves = fresh()
     try:
@@ -393,8 +403,10 @@ def _run_sample(op, sample, mode: str, index: int) -> Result:
     return result
 
 
-def sweep(names=None, modes=MODES, count: int = SAMPLES_PER_OP, progress=None):
-    """Every sample of every swept op (or of ``names``), both ways; yields :class:`Result`s."""
+def sweep(names=None, modes=MODES, count: int = SAMPLES_PER_OP, progress=None, run=None):
+    """Every sample of every swept op (or of ``names``), both ways; yields :class:`Result`s. ``run``: what runs
+    one sample (default :func:`run_sample`; ``tests/opinfo/autocast.py`` passes its own)."""
+    run = run_sample if run is None else run
     torch.set_num_threads(1)
     for op in swept_ops(names):
         try:
@@ -405,7 +417,7 @@ def sweep(names=None, modes=MODES, count: int = SAMPLES_PER_OP, progress=None):
             continue
         for index, sample in enumerate(op_samples):
             for mode in modes:
-                result = run_sample(op, sample, mode, index)
+                result = run(op, sample, mode, index)
                 if progress is not None:
                     progress(result)
                 yield result

@@ -3,6 +3,7 @@
     python -m tests.opinfo.table                      # the table, per op family, both ways
     python -m tests.opinfo.table --details            # and every sample that is not a pass, with its reason
     python -m tests.opinfo.table --ops add,mul --json out.json
+    python -m tests.opinfo.table --bf16 --details      # the sweep under autocast bf16 (tests/opinfo/autocast.py)
 
 Run it from the repository root with the checkout's ``src`` on ``PYTHONPATH``. One thread (the sweep runs
 op by op; about 10 minutes on one core).
@@ -49,15 +50,23 @@ def main(argv=None) -> int:
     parser.add_argument("--details", action="store_true", help="list every sample that is not a pass")
     parser.add_argument("--json", help="also write every result to this JSON file")
     parser.add_argument("--progress", action="store_true", help="print each result as it comes")
+    parser.add_argument("--bf16", action="store_true",
+                        help="under torch.autocast('cpu', dtype=torch.bfloat16) against float64 (autocast.py)")
     args = parser.parse_args(argv)
     names = args.ops.split(",") if args.ops else None
     start = time.time()
 
     def progress(r):
-        print(f"{time.time() - start:7.1f}s {r.op} #{r.index} {r.mode}: {r.status} {r.reason}", file=sys.stderr,
-              flush=True)
+        extra = f" [{r.kind} {r.ran} {r.worst}]" if args.bf16 else ""
+        print(f"{time.time() - start:7.1f}s {r.op} #{r.index} {r.mode}: {r.status} {r.reason}{extra}",
+              file=sys.stderr, flush=True)
 
-    results = list(harness.sweep(names, progress=progress if args.progress else None))
+    if args.bf16:
+        from tests.opinfo import autocast
+
+        results = list(autocast.sweep(names, progress=progress if args.progress else None))
+    else:
+        results = list(harness.sweep(names, progress=progress if args.progress else None))
     ops = {r.op for r in results}
     samples = len({(r.op, r.index) for r in results})
     print(f"{len(ops)} ops, {samples} samples, each run both ways ({time.time() - start:.0f} s)\n")

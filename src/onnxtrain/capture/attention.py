@@ -97,9 +97,15 @@ def _mask(attn_mask, dtype: ir.DataType):
     # to it; a row that is -inf throughout is a fully masked row.
     mask = attn_mask if attn_mask.dtype == dtype else op.Cast(attn_mask, to=dtype)
     bias = op.Max(mask, _masked(dtype))
-    neg_inf = _scalar(-np.inf, dtype)
-    row_valid = op.Cast(op.Greater(op.ReduceMax(mask, last, keepdims=1), neg_inf), to=dtype)
-    return bias, row_valid
+    return bias, finite_rows(mask, last, dtype)
+
+
+def finite_rows(x, axes, dtype: ir.DataType):
+    """1 where a row of ``x`` along ``axes`` has a value other than ``-inf``, else 0 (in ``dtype``): the rows of
+    ``-inf`` counted with ``IsInf``, not compared with ``ReduceMax``, which OpenVINO's CPU plugin starts from the
+    lowest finite value (2026.4: the maximum of ``-inf`` alone came out -3.4e38, and such a row was taken as valid,
+    so a softmax over it was uniform, not zeros; the OpInfo sweep under autocast bf16, ``_safe_softmax`` #0)."""
+    return op.ReduceMax(op.Cast(op.Not(op.IsInf(x, detect_positive=0)), to=dtype), axes, keepdims=1)
 
 
 def _causal_mask(query, key):

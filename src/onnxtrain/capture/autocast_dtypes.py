@@ -46,10 +46,22 @@ from onnxtrain.capture.flatten import flatten, unflatten
 # float64 than eager's when that ran bf16), and the grouped matmul of MoE experts (``_grouped_mm``: Hugging
 # Face Mixtral casts its input to the float32 weights' type, so eager runs it float32; bf16 on OpenVINO its
 # ``down_proj`` gradient was 20x further from float64 than eager autocast's).
+# Also ops eager computes without a product that the graph computes with one (the OpInfo sweep under autocast
+# bf16, tests/opinfo/autocast.py: their outputs a bf16 rounding, 2e-3, from float64, eager's 4e-8): ``addr`` (an
+# outer product, a MatMul in the graph) and ``_trilinear`` (``F.bilinear``'s); ``avg_pool2d/3d`` with
+# ``divisor_override`` (window sums as a Conv of ones, capture/pooling.py) and ``torch.einsum`` of several
+# operands that ran no product in eager (``"i,j->ij"``: a ``mul``; an Einsum in the graph) are filed as products
+# by :class:`_Products` and :class:`_Attention`.
 PRODUCTS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "convolution",
                       "_convolution", "_scaled_dot_product_flash_attention_for_cpu",
                       "_scaled_dot_product_attention_math", "_native_multi_head_attention", "_cdist_forward",
-                      "_grouped_mm"})
+                      "_grouped_mm", "addr", "_trilinear"})
+# Ops OpenVINO's CPU plugin lowers by itself at its bfloat16 hint (its Interpolate, a node it runs in bf16 as
+# it does products), where eager autocast keeps them float32: products for the bf16 graphs only (onnxruntime
+# runs the fp16 graphs' Resize float32). Their outputs were 2e-3 from float64 against eager's 2e-8.
+OPENVINO_PRODUCTS = frozenset({"upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d",
+                               "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"})
+_POOLS = frozenset({"avg_pool2d", "avg_pool3d"})  # a product where given divisor_override (their 7th argument)
 # Functions that report the autocast state; a True read by the model's code makes the float32 trace differ.
 _STATE_READS = ("is_autocast_enabled", "is_autocast_cpu_enabled")
 # Readers whose choice makes no difference to the float32 trace: Hugging Face's ``maybe_autocast`` picks
@@ -67,6 +79,7 @@ class AutocastRun:
     """What the forward did on fake tensors under the caller's autocast state."""
 
     dtypes: list[torch.dtype]  # each flattened output's dtype
+    shapes: list[tuple[int, ...] | None] = field(default_factory=list)  # and its shape (None: a symbolic size)
     products: dict[str, set[torch.dtype]] = field(default_factory=dict)  # aten product -> its operands' dtypes
     reads: list[str] = field(default_factory=list)  # "torch.is_autocast_enabled (file:line)" that returned True
     # (aten product, dtype) -> the model's line that first ran it so ("file:line"; the innermost frame outside
@@ -79,23 +92,27 @@ class AutocastRun:
     attention_site: str | None = None  # the model's line of the first attention call
     attention_dropout: bool = False  # whether some attention call was made with dropout_p > 0
 
-    def off_policy(self, low: torch.dtype, lowered: frozenset) -> list[str]:
+    def off_policy(self, low: torch.dtype, lowered: frozenset, openvino: bool = False) -> list[str]:
         """The products eager runs in a type the backend would lower to ``low``: "mm in torch.float32 at
-        model.py:12"."""
+        model.py:12". ``openvino``: the bf16 graphs' backend, which lowers :data:`OPENVINO_PRODUCTS` too."""
         return [f"{name} in {dtype}" + (f" at {self.sites[name, dtype]}" if (name, dtype) in self.sites else "")
                 for name, dtypes in self.products.items() for dtype in sorted(dtypes, key=str)
-                if dtype != low and dtype in lowered]
+                if dtype != low and dtype in lowered and (openvino or name not in OPENVINO_PRODUCTS)]
 
 
 class _Attention(TorchFunctionMode):
     """Marks the calls of ``F.scaled_dot_product_attention`` (however the model imported it), so that
-    :class:`_Products` files the products its kernel runs under the attention."""
+    :class:`_Products` files the products its kernel runs under the attention; and files a ``torch.einsum`` of
+    several operands that runs no product as a product in its operands' type (the graph's Einsum is one)."""
 
     def __init__(self, run: AutocastRun):
         super().__init__()
         self.run, self.depth = run, 0
+        self.einsum_products: list[int] = []  # per einsum call being run: the products run inside it
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) == "einsum" and not self.einsum_products:
+            return self._einsum(func, args, kwargs or {})
         if func is not torch.nn.functional.scaled_dot_product_attention:
             return func(*args, **(kwargs or {}))
         if self.run.attention_site is None:
@@ -110,6 +127,30 @@ class _Attention(TorchFunctionMode):
         finally:
             self.depth -= 1
 
+    def _einsum(self, func, args, kwargs):
+        self.einsum_products.append(0)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            products = self.einsum_products.pop()
+        operands = [t for t in _leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if len(operands) > 1 and not products:
+            dtypes = {t.dtype for t in operands}
+            seen = self.run.products.setdefault("einsum", set())
+            site = _model_line()
+            for dtype in dtypes - seen:
+                if site is not None:
+                    self.run.sites["einsum", dtype] = site
+            seen.update(dtypes)
+        return out
+
+
+def _leaves(value):
+    """The items of nested lists and tuples (``torch.einsum(equation, [a, b])`` passes its operands in one)."""
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value]
+
 
 class _Products(TorchDispatchMode):
     """Records the operand dtypes of each product the dispatcher runs (after autocast cast them), and where the
@@ -122,19 +163,24 @@ class _Products(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name in PRODUCTS:
-            dtypes = {t.dtype for t in (*args, *(kwargs or {}).values())
-                      if isinstance(t, torch.Tensor) and t.is_floating_point()}
-            if self.attention is not None and self.attention.depth:
-                self.attention.run.attention.update(dtypes)
-                return func(*args, **(kwargs or {}))
-            seen = self.products.setdefault(name, set())
-            if not dtypes <= seen:
-                site = _model_line()
-                for dtype in dtypes - seen:
-                    if site is not None:
-                        self.sites[name, dtype] = site
-            seen.update(dtypes)
+        if name in _POOLS and (len(args) > 6 and args[6] is not None or (kwargs or {}).get("divisor_override")):
+            name = f"{name}(divisor_override)"
+        elif name not in PRODUCTS and name not in OPENVINO_PRODUCTS:
+            return func(*args, **(kwargs or {}))
+        if self.attention is not None and self.attention.einsum_products:
+            self.attention.einsum_products[-1] += 1
+        dtypes = {t.dtype for t in (*args, *(kwargs or {}).values())
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        if self.attention is not None and self.attention.depth:
+            self.attention.run.attention.update(dtypes)
+            return func(*args, **(kwargs or {}))
+        seen = self.products.setdefault(name, set())
+        if not dtypes <= seen:
+            site = _model_line()
+            for dtype in dtypes - seen:
+                if site is not None:
+                    self.sites[name, dtype] = site
+        seen.update(dtypes)
         return func(*args, **(kwargs or {}))
 
 
@@ -202,7 +248,9 @@ def autocast_run(module: torch.nn.Module, args: tuple, kwargs: dict) -> Autocast
             flat, spec = flatten((tuple(args), dict(kwargs)))
             fake_args, fake_kwargs = unflatten([mode.from_tensor(t, static_shapes=True) for t in flat], spec)
             out = module(*fake_args, **fake_kwargs)
-            run.dtypes = [t.dtype for t in flatten(out, "output")[0]]
+            flat_out = flatten(out, "output")[0]
+            run.dtypes = [t.dtype for t in flat_out]
+            run.shapes = [tuple(t.shape) if all(isinstance(n, int) for n in t.shape) else None for t in flat_out]
             return run
     except Exception as exc:  # noqa: BLE001 - any failure means: not known, keep the graph's dtypes
         raise AutocastDtypeError(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc

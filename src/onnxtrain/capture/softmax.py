@@ -4,9 +4,9 @@ The exporter translates it as ``Where(row is all -inf, 0, Softmax(x))``: the for
 masked rows' Softmax is NaN, and its gradient, ``y * (dy - sum(dy * y))`` with ``dy = 0`` there, stays NaN
 (NaN * 0), so every input of such a row got a NaN gradient where PyTorch has zeros. Here ``-inf`` is
 raised to half the dtype's lowest finite value before the Softmax (a masked row becomes uniform, finite)
-and the output is multiplied by a per-row 0/1 factor (0 for a row of only ``-inf``), as the attention
-translation does (:mod:`.attention`). Inputs below that floor add nothing to a row whose largest value is
-above it (``exp`` underflows to 0 either way), and get a zero gradient there as in PyTorch.
+and the output is multiplied by a per-row 0/1 factor (0 for a row of only ``-inf``:
+:func:`.attention.finite_rows`, which OpenVINO computes right too), as the attention translation does. Inputs below
+that floor add nothing to a row whose largest value is above it (``exp`` underflows to 0 either way), and get a zero gradient there as in PyTorch.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import opset18 as op
 
+from onnxtrain.capture.attention import finite_rows
+
 
 def safe_softmax(self, dim: int, dtype: int | None = None):
     """``_safe_softmax(self, dim, dtype=None)``"""
@@ -22,6 +24,5 @@ def safe_softmax(self, dim: int, dtype: int | None = None):
     kind = ir.DataType(int(dtype)) if dtype is not None else self.dtype
     numpy_type = kind.numpy()
     floor = op.Constant(value=ir.tensor(np.array(np.finfo(numpy_type).min / 2, dtype=numpy_type)))
-    neg_inf = op.Constant(value=ir.tensor(np.array(-np.inf, dtype=numpy_type)))
-    row_valid = op.Cast(op.Greater(op.ReduceMax(x, op.Constant(value_ints=[dim]), keepdims=1), neg_inf), to=kind)
+    row_valid = finite_rows(x, op.Constant(value_ints=[dim]), kind)
     return op.Mul(op.Softmax(op.Max(x, floor), axis=dim), row_valid)

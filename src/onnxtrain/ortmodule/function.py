@@ -50,14 +50,14 @@ class ORTFunction(torch.autograd.Function):
         fused = training.fused
         if fused is not None:  # outputs and the loss's gradients in one call (onnxtrain.ortmodule.fused)
             outputs = fused.session.run([*tensors, fused.seed])
-            fused.session.check_output_shapes(outputs)
+            fused.session.check_output_shapes(outputs, [*tensors, fused.seed])
             ctx.fused_grads = outputs[fused.num_forward_outputs:]
             ctx.fused_like = [_like(tensors[training.wrt[s.gradient]]) for s in fused.plan.scatters]
             ctx.stashed = None
             ctx.save_for_backward(*tensors)  # for the exact path, should another output take a gradient
         else:
             outputs = training.forward.run(tensors)
-            training.forward.check_output_shapes(outputs)  # before anything uses them: ORTModule falls back
+            training.forward.check_output_shapes(outputs, tensors)  # before anything uses them: ORTModule falls back
             ctx.fused_grads = None
             ctx.stashed = [outputs[i] for i in training.split.stashed_outputs]
             ctx.save_for_backward(*(tensors[j] for j in training.split.reused_inputs))

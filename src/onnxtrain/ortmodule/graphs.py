@@ -157,6 +157,9 @@ class SchemaGraphs:
     # logits): a Cast at the graph's output (passes.cast_outputs); the output gradient comes back in that dtype
     # and enters the backward graph as float32 (Training.seed_dtypes).
     output_casts: dict[int, ir.DataType] = field(default_factory=dict)
+    # Under autocast: (the input shapes of the call the graphs were made on, eager's output shapes there, None for a
+    # symbolic one): that call's outputs are checked against them (ortmodule.module._check_eager_shapes)
+    eager_shapes: tuple[list, list] | None = None
     inference: TorchSession | None = None
     inference_refused: str | None = None  # why calls without gradients run in PyTorch (ORTModule._fall_back)
     training: dict[tuple[bool, ...], Training] = field(default_factory=dict)

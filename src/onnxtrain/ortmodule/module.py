@@ -43,6 +43,7 @@ from onnxtrain.ortmodule.graphs import PRODUCTS_BF16, Saver, SchemaGraphs, build
 from onnxtrain.ortmodule.options import FALLBACK_ENV, DebugOptions, attention_float32, torch_dropout
 from onnxtrain.ortmodule.verify import VerificationError, first_difference
 from onnxtrain.runtime import backends
+from onnxtrain.runtime.session import OutputShapeError
 from onnxtrain.utils.gc import young_objects_only
 
 logger = logging.getLogger("onnxtrain.ortmodule")
@@ -125,6 +126,8 @@ class ORTModule(torch.nn.Module):
         if training is None:
             try:
                 outputs = self._run_inference(graphs, tensors, state)
+                if not graphs.inference.runs:
+                    _check_eager_shapes(graphs, tensors, outputs)
             except Exception as exc:  # noqa: BLE001 - on its first run, nothing has changed yet
                 if graphs.inference.runs:  # it has run before: a failure now is raised, not hidden
                     raise
@@ -134,6 +137,8 @@ class ORTModule(torch.nn.Module):
         else:
             try:
                 outputs = ORTFunction.apply(graphs, training, *tensors, *state)
+                if not training.forward.runs:
+                    _check_eager_shapes(graphs, tensors, outputs)
             except Exception as exc:  # noqa: BLE001 - on its first run, no output has been used yet
                 if training.forward.runs:  # it has run before: a failure now is raised, not hidden
                     raise
@@ -221,8 +226,8 @@ class ORTModule(torch.nn.Module):
         backend, precision = _backend_for(self._backend, device)
         captured, read = retraced if retraced is not None else self._capture(args, kwargs, device)
         self._export_count += 1
-        casts, precision = (_output_casts(self.module, args, kwargs, captured, device.type, precision)
-                            if torch.is_autocast_enabled(device.type) else ({}, precision))
+        casts, precision, eager_shapes = (_output_casts(self.module, args, kwargs, captured, device.type, precision)
+                                          if torch.is_autocast_enabled(device.type) else ({}, precision, None))
         backend = _float64_backend(self.module, captured, backend, precision)
         state_names = [n for n in self._state_names() if n in captured.model.graph.initializers]
         traced = structure(captured.model, set(state_names)) if read.changed_by_export else None
@@ -238,6 +243,8 @@ class ORTModule(torch.nn.Module):
         if precision == PRODUCTS_BF16:
             lower_products(graphs)
         graphs.output_casts = casts
+        if eager_shapes is not None:
+            graphs.eager_shapes = ([tuple(t.shape) for t in tensors], eager_shapes)
         if saver is not None:
             saver(graphs.base, "inference")
         return graphs
@@ -479,10 +486,10 @@ def _autocast_state() -> tuple:
 
 
 def _output_casts(module: torch.nn.Module, args, kwargs, captured, kind: str,
-                  precision: str) -> tuple[dict[int, ir.DataType], str]:
+                  precision: str) -> tuple[dict[int, ir.DataType], str, list | None]:
     """({user output position: dtype} for the float32 graph outputs that eager autocast returns in bfloat16 or
     float16 (:mod:`onnxtrain.capture.autocast_dtypes`, asked under the caller's autocast state), the precision
-    the graphs run in (:func:`_check_policy`)). Where eager's dtypes cannot be known, no casts: the outputs stay
+    the graphs run in (:func:`_check_policy`), eager's output shapes for these inputs or None). Where eager's dtypes cannot be known, no casts: the outputs stay
     float32, with a warning once per module class. Raises :class:`AutocastPolicyError` where the graphs would not
     compute what eager does: a product eager runs in another type than the one ``precision`` lowers it to, or a
     branch on the autocast state."""
@@ -500,7 +507,7 @@ def _output_casts(module: torch.nn.Module, args, kwargs, captured, kind: str,
         if len(run.dtypes) == captured.num_outputs:
             outputs = captured.model.graph.outputs
             return {k: _LOW[dtype] for k, dtype in enumerate(run.dtypes)
-                    if dtype in _LOW and outputs[k].dtype == ir.DataType.FLOAT}, precision
+                    if dtype in _LOW and outputs[k].dtype == ir.DataType.FLOAT}, precision, run.shapes
         reason = f"it returned {len(run.dtypes)} tensors there and {captured.num_outputs} when exported"
     key = ("dtypes", type(module).__name__)
     if key not in _warned_autocast:
@@ -509,7 +516,24 @@ def _output_casts(module: torch.nn.Module, args, kwargs, captured, kind: str,
                       f"eager may return bfloat16 or float16, and does not check that eager runs every product in "
                       f"autocast's type (the graphs lower them all): the forward is unknown there, {reason}",
                       RuntimeWarning, stacklevel=5)
-    return {}, precision
+    return {}, precision, None
+
+
+def _check_eager_shapes(graphs, tensors: list[torch.Tensor], outputs) -> None:
+    """On the call whose inputs the graphs were made for under autocast, raise :class:`OutputShapeError` where a
+    user output's shape is not the one eager's forward gave on fake tensors (:func:`_output_casts`): OpenVINO
+    follows a declared shape that shape inference got wrong where onnxruntime's kernels do not (``squeeze()`` of
+    an axis of size 1 exported as dynamic: ``(5, 1, 5)`` where eager gives ``(5, 5)``; the OpInfo sweep under
+    autocast bf16), so the graph's outputs are checked against eager's before any is used."""
+    if graphs.eager_shapes is None:
+        return
+    inputs, shapes = graphs.eager_shapes
+    if [tuple(t.shape) for t in tensors] != inputs:
+        return
+    for k, (shape, output) in enumerate(zip(shapes, outputs[: graphs.num_outputs])):
+        if shape is not None and isinstance(output, torch.Tensor) and tuple(output.shape) != shape:
+            raise OutputShapeError(f"output {k} has shape {list(output.shape)} where eager's forward gives "
+                                   f"{list(shape)} (the graph's declared shape, which the backend followed, is wrong)")
 
 
 class AutocastPolicyError(RuntimeError):
@@ -554,7 +578,7 @@ def _check_policy(module: torch.nn.Module, run, kind: str, precision: str) -> st
             + (f" (at {run.attention_site})" if run.attention_site else "")
             + ("; ONNXTRAIN_BF16_ATTENTION_FLOAT32=0 turned off running it on the graphs, attention float32"
                if eligible else ""))
-    off = run.off_policy(low, _LOWERED[precision])
+    off = run.off_policy(low, _LOWERED[precision], openvino=precision == "bf16")
     if off:
         raise AutocastPolicyError(
             f"under torch.autocast({kind!r}, dtype={torch.get_autocast_dtype(kind)}) {name}'s forward runs "

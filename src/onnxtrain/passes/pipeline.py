@@ -46,6 +46,7 @@ from onnxtrain.passes.optimize import OptimizePass
 from onnxtrain.passes.order_backward import OrderBackwardPass
 from onnxtrain.passes.recompute import Recompute, RecomputePass, Saved
 from onnxtrain.passes.shared_rows import SharedRowsPass
+from onnxtrain.passes.split_sizes import SplitSizesPass
 from onnxtrain.passes.squeeze_axes import SqueezeAxesPass
 from onnxtrain.passes.strip_stop_gradients import StripStopGradientsPass
 from onnxtrain.passes.sum_rows_by_matmul import SumRowsByMatMulPass
@@ -160,6 +161,7 @@ def openvino_graphs() -> Pipeline:
         Step("conv_patches", ConvPatchesPass(),
              "the other convolution weight gradients as products over input windows, one per position"),
         Step("squeeze_axes", SqueezeAxesPass(), "a Squeeze without axes has a dynamic rank in OpenVINO"),
+        Step("split_sizes", SplitSizesPass(), "OpenVINO splits by num_outputs only into equal chunks"),
     ])
 
 

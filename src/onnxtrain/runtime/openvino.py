@@ -113,9 +113,22 @@ def _read_dynamic_rank(model) -> str | None:
     return None
 
 
+def _read_antialias(model) -> str | None:
+    """Why the CPU plugin would compute a model OpenVINO has read otherwise than ONNX defines it: an antialiased
+    ``Interpolate`` (``Resize(antialias=1)``, PyTorch's ``interpolate(..., antialias=True)``), named. Its output
+    was 1.5-3.9 norm-relative from PyTorch's, in float32 too (openvino 2026.4; the OpInfo sweep under autocast
+    bf16, ``_upsample_bilinear2d_aa``)."""
+    for op in model.get_ordered_ops():
+        if op.get_type_name() == "Interpolate" and op.get_attributes().get("antialias"):
+            return (f"its Interpolate {op.get_friendly_name()!r} is antialiased, which its CPU plugin computes "
+                    "otherwise than onnxruntime and PyTorch")
+    return None
+
+
 def refusal(model: bytes) -> str | None:
     """Why OpenVINO's CPU plugin would not compile ``model`` (an ONNX model's bytes whose graph inputs all have
-    their ranks), found without compiling it: a convolution kernel of dynamic size or an op of dynamic rank, named;
+    their ranks), found without compiling it: a convolution kernel of dynamic size, an op of dynamic rank or an
+    antialiased Interpolate, named;
     None if neither, or if OpenVINO cannot read the model (a session on it runs on onnxruntime:
     :func:`onnxtrain.runtime.backends.create_session`). For ORTModule, which must decide before the first training
     step about graphs it compiles later (a backward graph on its first use, taking the forward's values)."""
@@ -123,7 +136,7 @@ def refusal(model: bytes) -> str | None:
         read = core().read_model(model)
     except Exception:  # noqa: BLE001 - what cannot be read is not compiled on OpenVINO at all
         return None
-    return _read_dynamic_kernel(read) or _read_dynamic_rank(read)
+    return _read_dynamic_kernel(read) or _read_dynamic_rank(read) or _read_antialias(read)
 
 
 class OpenVINOCompileError(ValueError):

@@ -73,16 +73,32 @@ class OutputShapeError(RuntimeError):
     (shape inference got it wrong): a graph that takes that value as an input would refuse it."""
 
 
-def declared_shapes(model: onnx.ModelProto) -> list[list[int | None] | None]:
-    """Each graph output's declared shape: a size per axis (None where symbolic), or None if unknown."""
+def declared_shapes(model: onnx.ModelProto, values=None) -> list[list[int | str | None] | None]:
+    """Each graph output's (or each of ``values``') declared shape: a size per axis (its symbol's name where
+    symbolic, None where neither), or None if unknown."""
     shapes = []
-    for output in model.graph.output:
+    for output in model.graph.output if values is None else values:
         tensor = output.type.tensor_type
         if not tensor.HasField("shape"):
             shapes.append(None)
             continue
-        shapes.append([d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim])
+        shapes.append([d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim])
     return shapes
+
+
+def _bound_sizes(shapes, tensors) -> dict[str, int]:
+    """The size each symbol of the graph inputs' declared shapes has in ``tensors`` (a symbol the inputs give
+    two sizes is left out)."""
+    sizes: dict[str, int] = {}
+    clash = set()
+    for shape, tensor in zip(shapes, tensors):
+        if shape is None or not isinstance(tensor, torch.Tensor) or tensor.dim() != len(shape):
+            continue
+        for d, n in zip(shape, tensor.shape):
+            if isinstance(d, str):
+                if sizes.setdefault(d, n) != n:
+                    clash.add(d)
+    return {d: n for d, n in sizes.items() if d not in clash}
 
 
 class TorchSession:
@@ -121,6 +137,7 @@ class TorchSession:
         # OpenVINO hands bfloat16 outputs to numpy as float16 arrays of the same bits: viewed back here.
         self._bfloat16 = [k for k, o in enumerate(self._session.get_outputs()) if o.type == "tensor(bfloat16)"]
         self.output_shapes = declared_shapes(model)
+        self.input_shapes = declared_shapes(model, model.graph.input)
         self.runs = 0  # runs that returned outputs its callers accepted (ORTModule counts them)
         self._ort_device = "cuda" if self.device.type == "cuda" else "cpu"
         self._device_id = self.device.index or 0
@@ -167,13 +184,18 @@ class TorchSession:
                 outputs[k] = outputs[k].view(torch.bfloat16)
         return outputs
 
-    def check_output_shapes(self, outputs: Sequence[torch.Tensor]) -> None:
-        """Raise :class:`OutputShapeError` where an output's rank or a fixed size is not the declared one."""
+    def check_output_shapes(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor] = ()) -> None:
+        """Raise :class:`OutputShapeError` where an output's rank or a fixed size is not the declared one, or a
+        size the declared shape names by a symbol of the graph inputs' (``inputs``, in graph order) is not the
+        size that input has: OpenVINO's CPU plugin returned ``(0, 0)`` for ``[s95, s85]`` where the input was
+        ``(5, 5)`` (the OpInfo sweep under autocast bf16, ``_unsafe_masked_index_put_accumulate``)."""
+        bound = _bound_sizes(self.input_shapes, inputs)
         for name, shape, tensor in zip(self.output_names, self.output_shapes, outputs):
             if shape is None:
                 continue
-            if len(shape) != tensor.dim() or any(d is not None and d != n for d, n in zip(shape, tensor.shape)):
+            want = [bound.get(d) if isinstance(d, str) else d for d in shape]
+            if len(want) != tensor.dim() or any(d is not None and d != n for d, n in zip(want, tensor.shape)):
                 raise OutputShapeError(
                     f"graph output {name!r} has shape {list(tensor.shape)} where the graph declares "
-                    f"{['?' if d is None else d for d in shape]} (shape inference disagrees with onnxruntime's "
+                    f"{['?' if d is None else d for d in shape]} (shape inference disagrees with the backend's "
                     "kernels; the backward graph would refuse it)")
