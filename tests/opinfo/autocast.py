@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -235,22 +234,9 @@ def compare(expected, actual, reference, expected_grads, actual_grads, reference
 
 def _compare_exact(what: str, e, a, r) -> str | None:
     """What must equal eager autocast's: types, shapes, dtypes, non-float values, NaN/inf places."""
-    if e is None and a is None:
-        return None
-    if torch.is_tensor(e) != torch.is_tensor(a):
-        if e is None and torch.is_tensor(a) and not a.any():
-            return None  # no gradient in eager, zeros here
-        if a is None and torch.is_tensor(e) and not e.any():
-            return None
-        return f"{what}: {type(e).__name__} in eager autocast, {type(a).__name__} here"
-    if not torch.is_tensor(e):
-        if e != a and not (isinstance(e, float) and math.isnan(e) and isinstance(a, float) and math.isnan(a)):
-            return f"{what}: {e!r} in eager autocast, {a!r} here"
-        return None
-    if e.shape != a.shape:
-        return f"{what}: shape {tuple(e.shape)} in eager autocast, {tuple(a.shape)} here"
-    if e.dtype != a.dtype:
-        return f"{what}: dtype {e.dtype} in eager autocast, {a.dtype} here"
+    kind = harness.compare_kind(what, e, a, "eager autocast")
+    if kind is not None:
+        return kind or None
     e, a = e.detach(), a.detach()
     r = None if not torch.is_tensor(r) or r.shape != e.shape else r.detach()
     if not e.is_floating_point():

@@ -258,25 +258,35 @@ def _grads(leaves_or_params):
     return [None if t.grad is None else t.grad.detach().clone() for t in leaves_or_params]
 
 
-def _compare(what: str, expected, actual) -> str | None:
-    """Why ``actual`` differs from ``expected`` (None if it does not)."""
+def compare_kind(what: str, expected, actual, side: str = "eager") -> str | None:
+    """Why ``actual`` differs from ``expected`` (``side``'s) in kind (None, a tensor or another value), value (not a
+    tensor), shape or dtype; ``""`` where they agree and are not two tensors; None where both are tensors of one
+    shape and dtype, whose values are left to compare."""
     if expected is None and actual is None:
-        return None
+        return ""
     if torch.is_tensor(expected) != torch.is_tensor(actual):
         if expected is None and torch.is_tensor(actual) and not actual.any():
-            return None  # no gradient in eager, zeros here
+            return ""  # no gradient in eager, zeros here
         if actual is None and torch.is_tensor(expected) and not expected.any():
-            return None
-        return f"{what}: {type(expected).__name__} in eager, {type(actual).__name__} here"
+            return ""
+        return f"{what}: {type(expected).__name__} in {side}, {type(actual).__name__} here"
     if not torch.is_tensor(expected):
         if expected != actual and not (isinstance(expected, float) and math.isnan(expected)
                                        and isinstance(actual, float) and math.isnan(actual)):
-            return f"{what}: {expected!r} in eager, {actual!r} here"
-        return None
+            return f"{what}: {expected!r} in {side}, {actual!r} here"
+        return ""
     if expected.shape != actual.shape:
-        return f"{what}: shape {tuple(expected.shape)} in eager, {tuple(actual.shape)} here"
+        return f"{what}: shape {tuple(expected.shape)} in {side}, {tuple(actual.shape)} here"
     if expected.dtype != actual.dtype:
-        return f"{what}: dtype {expected.dtype} in eager, {actual.dtype} here"
+        return f"{what}: dtype {expected.dtype} in {side}, {actual.dtype} here"
+    return None
+
+
+def _compare(what: str, expected, actual) -> str | None:
+    """Why ``actual`` differs from ``expected`` (None if it does not)."""
+    kind = compare_kind(what, expected, actual)
+    if kind is not None:
+        return kind or None
     e, a = expected.detach(), actual.detach()
     if not e.is_floating_point():
         if not torch.equal(e, a):

@@ -9,23 +9,14 @@ requires no sample to be wrong or to raise.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 from onnxtrain.runtime import backends
 from tests.opinfo import autocast, harness
-from tests.opinfo.test_opinfo import _op
+from tests.opinfo.test_opinfo import _op, _quiet  # noqa: F401 - _quiet: the autouse fixture silencing warnings
 
 pytestmark = pytest.mark.skipif(not (backends.openvino_installed() and backends.openvino_has_bf16()),
                                 reason="autocast bfloat16 needs onnxtrain[openvino] and a CPU with bfloat16")
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 @pytest.mark.parametrize("mode", harness.MODES)
