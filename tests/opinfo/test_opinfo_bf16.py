@@ -37,9 +37,6 @@ KNOWN_ERRORS = {
     # OpenVINO's needs the two equal off the axis and returns (0, 0) (cropping the data first did not help)
     ("scatter_add", 1, "inputs"): "got [0, 0]",
     ("scatter_add", 1, "params"): "got [0, 0]",
-    # (2, 2, 1) and (2, 1, 2), exported with one symbol for an axis of 2 and one of 1: OpenVINO follows the
-    # declared shapes (its forward value differs), onnxruntime's kernels refuse them (the float32 sweep: fallback)
-    ("tensordot", 1, "inputs"): "got [0, 0, 0]",
 }
 
 
@@ -78,6 +75,9 @@ FOUND = [
     ("chunk", 0, "pass", ""),  # 5 rows in 2 chunks: empty outputs
     ("squeeze", 0, "fallback", "OutputShapeError"),  # (5, 1, 5) where eager gives (5, 5)
     ("index_select", 0, "fallback", "OutputShapeError"),  # (1,) where eager gives ()
+    # (2, 2, 1) and (2, 1, 2), exported with one symbol for an axis of 2 and one of 1: OpenVINO followed the
+    # declared shapes (its forward value another, -0.14 for 0.38), then raised in backward
+    ("tensordot", 1, "fallback", "OutputShapeError: the graph's inputs give its size"),
 ]  # and _unsafe_masked_index_put_accumulate #0: the last test
 
 

@@ -86,19 +86,19 @@ def declared_shapes(model: onnx.ModelProto, values=None) -> list[list[int | str 
     return shapes
 
 
-def _bound_sizes(shapes, tensors) -> dict[str, int]:
-    """The size each symbol of the graph inputs' declared shapes has in ``tensors`` (a symbol the inputs give
-    two sizes is left out)."""
+def _bound_sizes(shapes, tensors) -> tuple[dict[str, int], dict[str, set[int]]]:
+    """(the size each symbol of the graph inputs' declared shapes has in ``tensors``, the symbols the inputs give
+    two or more sizes, with those sizes)."""
     sizes: dict[str, int] = {}
-    clash = set()
+    clash: dict[str, set[int]] = {}
     for shape, tensor in zip(shapes, tensors):
         if shape is None or not isinstance(tensor, torch.Tensor) or tensor.dim() != len(shape):
             continue
         for d, n in zip(shape, tensor.shape):
             if isinstance(d, str):
                 if sizes.setdefault(d, n) != n:
-                    clash.add(d)
-    return {d: n for d, n in sizes.items() if d not in clash}
+                    clash.setdefault(d, {sizes[d]}).add(n)
+    return {d: n for d, n in sizes.items() if d not in clash}, clash
 
 
 class TorchSession:
@@ -188,8 +188,17 @@ class TorchSession:
         """Raise :class:`OutputShapeError` where an output's rank or a fixed size is not the declared one, or a
         size the declared shape names by a symbol of the graph inputs' (``inputs``, in graph order) is not the
         size that input has: OpenVINO's CPU plugin returned ``(0, 0)`` for ``[s95, s85]`` where the input was
-        ``(5, 5)`` (the OpInfo sweep under autocast bf16, ``_unsafe_masked_index_put_accumulate``)."""
-        bound = _bound_sizes(self.input_shapes, inputs)
+        ``(5, 5)`` (the OpInfo sweep under autocast bf16, ``_unsafe_masked_index_put_accumulate``); or where the
+        inputs give one symbol of the declared shapes two sizes: the graph was made for sizes that are equal there
+        (``tensordot`` of ``(2, 2, 1)`` and ``(2, 1, 2)`` exported with one symbol for an axis of 2 and one of 1:
+        OpenVINO computed another value from them, onnxruntime's kernels refused them; the OpInfo sweep under
+        autocast bf16)."""
+        bound, clash = _bound_sizes(self.input_shapes, inputs)
+        if clash:
+            symbol, sizes = next(iter(clash.items()))
+            raise OutputShapeError(
+                f"the graph's inputs give its size {symbol!r} the sizes {sorted(sizes)}, where the graph declares "
+                "them one size (it was made for inputs whose sizes are equal there)")
         for name, shape, tensor in zip(self.output_names, self.output_shapes, outputs):
             if shape is None:
                 continue
