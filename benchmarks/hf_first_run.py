@@ -21,15 +21,13 @@ import json
 import statistics
 import subprocess
 import sys
-import time
-import warnings
 
 
 def run(trainer_kind: str, attn: str, steps: int, batch: int, seq: int, layers: int, kind: str = "bert") -> dict:
     import torch
     import transformers
 
-    from onnxtrain.hf import ORTTrainer, ORTTrainingArguments
+    from hf_families_bf16 import timed_training  # this directory: the same timing, losses and fallback read
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
@@ -44,36 +42,7 @@ def run(trainer_kind: str, attn: str, steps: int, batch: int, seq: int, layers: 
         data = [{"input_ids": torch.randint(0, config.vocab_size, (seq,), generator=g),
                  "attention_mask": torch.ones(seq, dtype=torch.long),
                  "labels": torch.randint(0, 2, (), generator=g)} for _ in range(steps * batch)]
-    times, losses = [], []
-
-    class Clock(transformers.TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            times.append(time.perf_counter() - self.start)
-
-    base = ORTTrainer if trainer_kind == "ort" else transformers.Trainer
-    args_class = ORTTrainingArguments if trainer_kind == "ort" else transformers.TrainingArguments
-
-    class Recording(base):
-        def compute_loss(self, *args, **kwargs):
-            loss = super().compute_loss(*args, **kwargs)
-            losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
-            return loss
-
-    args = args_class(output_dir="/tmp/hf_first_run", bf16=True, use_cpu=True, per_device_train_batch_size=batch,
-                      max_steps=steps, learning_rate=5e-5, report_to=[], save_strategy="no", logging_strategy="no",
-                      seed=0, disable_tqdm=True)
-    trainer = Recording(model=model, args=args, train_dataset=data, callbacks=[Clock()])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.train()
-    wrapped = getattr(trainer, "model_wrapped", None)
-    reason = getattr(wrapped, "fallback_reason", None)
-    notes = sorted({str(w.message).splitlines()[0][:160] for w in caught if "ORTModule" in str(w.message)
-                    or "OpenVINO" in str(w.message)})
-    return {"times": times, "losses": losses, "fallback": reason and reason.splitlines()[0][:200], "notes": notes}
+    return timed_training(trainer_kind, model, data, batch, steps)
 
 
 def main() -> None:
